@@ -1,13 +1,25 @@
 """The engine: one batch of prepared requests in, generated tokens and stage times out.
 
-The pipeline (jobs, queues, Parquet) talks to the model only through `Engine.run_batch`.
+The pipeline (jobs, queues, Parquet) talks to the model only through `Engine.run_batch`:
+ViT (with an optional image-embedding cache) -> packed varlen prefill (with an optional shared-prefix KV cache)
+-> batched decode against a per-batch KV cache.
 """
 
 from __future__ import annotations
 
+import hashlib
+import time
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
+from batchvl.llm.attention import AttnMeta
+from batchvl.llm.kv_cache import KVCache
+from batchvl.llm.sampling import sample
+from batchvl.model.config import InternVLConfig
+from batchvl.model.internvl import InternVL
 
 
 @dataclass
@@ -32,9 +44,252 @@ class Sampling:
 @dataclass
 class BatchResult:
     output_ids: list[list[int]]
-    vit_ms: float  # GPU time of the ViT + projector for the whole batch (CUDA events on GPU)
+    vit_ms: float  # ViT + projector for the whole batch (CUDA events on GPU)
     prefill_ms: float
     decode_ms: float
     first_token_s: float  # time.perf_counter() when the first tokens were on the host
     end_s: float  # time.perf_counter() when the last tokens were on the host
-    stats: dict = field(default_factory=dict)  # cache hits, tokens, etc.
+    stats: dict = field(default_factory=dict)  # per-request lists: cache_hit_image, cached_prefix_tokens
+
+
+@dataclass
+class EngineConfig:
+    max_prefill_tokens: int = 16384
+    max_vit_tiles: int = 64
+    image_cache: bool = False
+    image_cache_entries: int = 64
+    prefix_cache: bool = False
+    prefix_cache_entries: int = 8
+    compile_vit: bool = True
+    vit_mode: str = "auto"
+    vit_splits: int = 2
+    attn_backend: str = "auto"  # "auto" | "sdpa" | "varlen"
+
+
+class _Timer:
+    """Elapsed ms of a region: CUDA events on GPU, perf_counter on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def __enter__(self):
+        if self.cuda:
+            self.a, self.b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.a.record()
+        else:
+            self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            self.b.record()
+        else:
+            self.ms = (time.perf_counter() - self.t0) * 1e3
+
+    def elapsed(self) -> float:
+        if self.cuda:
+            self.b.synchronize()
+            return self.a.elapsed_time(self.b)
+        return self.ms
+
+
+def packed_meta(lengths: list[int], prefix_lens: list[int], device) -> tuple[torch.Tensor, AttnMeta]:
+    """Positions [T] and attention metadata for sequences of `lengths` new tokens after `prefix_lens`."""
+    new = torch.tensor(lengths, dtype=torch.int64)
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = new.cumsum(0)
+    rows = torch.repeat_interleave(torch.arange(len(lengths)), new)
+    pos = torch.cat([torch.arange(p, p + n) for p, n in zip(prefix_lens, lengths, strict=True)])
+    meta = AttnMeta(
+        cu_seqlens=cu.to(device),
+        max_seqlen=max(lengths),
+        slot_b=rows.to(device),
+        slot_pos=pos.to(device),
+        prefix_lens=prefix_lens if any(prefix_lens) else None,
+    )
+    return pos.to(device), meta
+
+
+class Engine:
+    def __init__(
+        self,
+        model: InternVL,
+        cfg: InternVLConfig,
+        engine_cfg: EngineConfig | None = None,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        eos_token_ids: tuple[int, ...] = (),
+        encode_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ):
+        self.model, self.cfg, self.ecfg = model, cfg, engine_cfg or EngineConfig()
+        self.device, self.dtype = torch.device(device), dtype
+        self.eos = tuple(eos_token_ids)
+        self.encode_fn = encode_fn or model.vision  # [tiles,3,S,S] -> [tiles, 256, hidden]
+        self.image_cache: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self.prefix_cache: OrderedDict[str, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self.counters = {"image_cache_hits": 0, "prefix_cache_hits": 0, "prefix_tokens_reused": 0}
+        for layer in model.llm.layers:
+            layer.attn.backend = self.ecfg.attn_backend
+
+    # ---- ViT -------------------------------------------------------------------------------------------------
+    def _encode_tiles(self, tiles: torch.Tensor) -> torch.Tensor:
+        """[N, 3, S, S] (CPU) -> [N, 256, hidden] on device, in chunks of max_vit_tiles."""
+        out = []
+        for i in range(0, tiles.shape[0], self.ecfg.max_vit_tiles):
+            chunk = tiles[i : i + self.ecfg.max_vit_tiles]
+            chunk = chunk.pin_memory() if self.device.type == "cuda" else chunk
+            out.append(self.encode_fn(chunk.to(self.device, self.dtype, non_blocking=True)))
+        return torch.cat(out, 0)
+
+    def encode(self, requests: list[Request]) -> tuple[list[torch.Tensor | None], list[bool]]:
+        """Image features per request, [tiles*256, hidden] or None; and whether each came from the cache."""
+        use_cache = self.ecfg.image_cache
+        feats: list[torch.Tensor | None] = [None] * len(requests)
+        hits = [False] * len(requests)
+        todo: dict[str, list[int]] = {}
+        for i, r in enumerate(requests):
+            if r.pixel_values is None:
+                continue
+            key = r.image_key if (use_cache and r.image_key) else f"#{i}"
+            if use_cache and key in self.image_cache:
+                self.image_cache.move_to_end(key)
+                feats[i], hits[i] = self.image_cache[key], True
+                self.counters["image_cache_hits"] += 1
+            else:
+                if key in todo:  # same image twice in this batch: encoded once
+                    hits[i] = True
+                    self.counters["image_cache_hits"] += 1
+                todo.setdefault(key, []).append(i)
+        if todo:
+            keys = list(todo)
+            tiles = [requests[todo[k][0]].pixel_values for k in keys]
+            enc = self._encode_tiles(torch.cat(tiles, 0))
+            start = 0
+            for k, t in zip(keys, tiles, strict=True):
+                f = enc[start : start + t.shape[0]].reshape(-1, enc.shape[-1])
+                start += t.shape[0]
+                for i in todo[k]:
+                    feats[i] = f
+                if use_cache and not k.startswith("#"):
+                    self.image_cache[k] = f
+                    while len(self.image_cache) > self.ecfg.image_cache_entries:
+                        self.image_cache.popitem(last=False)
+        return feats, hits
+
+    # ---- prefix cache ----------------------------------------------------------------------------------------
+    def _prefix_len(self, ids: torch.Tensor) -> int:
+        """Tokens up to and including the last <IMG_CONTEXT>: system prompt + user header + image."""
+        where = (ids == self.cfg.image_token_id).nonzero()
+        return int(where[-1]) + 1 if len(where) else 0
+
+    @staticmethod
+    def _prefix_key(ids: torch.Tensor, image_key: str | None) -> str:
+        return hashlib.blake2b(ids.numpy().tobytes() + (image_key or "").encode(), digest_size=16).hexdigest()
+
+    def _fill_prefixes(self, items: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
+        """Prefill each missing prefix alone and keep its KV [layers, P, kv_heads, head_dim]."""
+        ids = [t for _, t, _ in items]
+        feats = [f for _, _, f in items]
+        cache = self._prefill(ids, feats, [0] * len(ids), None, extra=0)[1]
+        for row, (key, t, _) in enumerate(items):
+            p = t.shape[0]
+            self.prefix_cache[key] = (cache.k[:, row, :p].clone(), cache.v[:, row, :p].clone())
+            while len(self.prefix_cache) > self.ecfg.prefix_cache_entries:
+                self.prefix_cache.popitem(last=False)
+
+    # ---- LLM -------------------------------------------------------------------------------------------------
+    def _prefill(self, ids: list[torch.Tensor], feats: list, prefix_lens: list[int], prefixes: list | None,
+                 extra: int) -> tuple[torch.Tensor, KVCache]:  # fmt: skip
+        """Packed prefill of the new tokens `ids[i]` after `prefix_lens[i]` cached ones.
+        Returns last-token logits [B, V] and the batch's KV cache (room for `extra` more tokens)."""
+        llm, c = self.model.llm, self.cfg.llm
+        lengths = [int(t.shape[0]) for t in ids]
+        rows = max(p + n for p, n in zip(prefix_lens, lengths, strict=True)) + extra
+        cache = KVCache(c.num_layers, len(ids), rows, self._n_kv(), c.head_dim, self.device, self.dtype)
+        if prefixes:
+            for b, pk in enumerate(prefixes):
+                if pk is not None:
+                    k, v = pk
+                    cache.k[:, b, : k.shape[1]] = k
+                    cache.v[:, b, : v.shape[1]] = v
+        flat = torch.cat(ids).to(self.device, non_blocking=True)
+        img = [f for f in feats if f is not None]
+        h = self.model.embed(flat, torch.cat(img, 0) if img else None)
+        pos, meta = packed_meta(lengths, prefix_lens, self.device)
+        h = llm(h, pos, meta, cache)
+        last = h[meta.cu_seqlens[1:].long() - 1]  # only last tokens go through lm_head
+        return llm.logits(last), cache
+
+    def _n_kv(self) -> int:
+        return self.model.llm.layers[0].attn.n_kv
+
+    @torch.inference_mode()
+    def run_batch(self, requests: list[Request], sampling: Sampling) -> BatchResult:
+        dev = self.device
+        with _Timer(dev) as t_vit:
+            feats, hits = self.encode(requests)
+        prefix_lens = [0] * len(requests)
+        prefixes: list | None = None
+        ids = [r.input_ids for r in requests]
+        with _Timer(dev) as t_pre:
+            if self.ecfg.prefix_cache:
+                ids, feats, prefix_lens, prefixes = self._use_prefix_cache(requests, feats)
+            logits, cache = self._prefill(ids, feats, prefix_lens, prefixes, extra=sampling.max_new_tokens)
+            gen = torch.Generator(device=dev).manual_seed(sampling.seed) if sampling.temperature > 0 else None
+            tok = sample(logits, sampling.temperature, sampling.top_p, gen)
+        first = tok.tolist()
+        first_s = time.perf_counter()
+        out = [[t] for t in first]
+        stops = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(self.eos))
+        done = [t in stops for t in first]
+        lens = torch.tensor([p + int(t.shape[0]) for p, t in zip(prefix_lens, ids, strict=True)], device=dev)
+        rows = torch.arange(len(requests), device=dev)
+        with _Timer(dev) as t_dec:
+            for _ in range(sampling.max_new_tokens - 1):
+                if all(done):
+                    break
+                meta = AttnMeta(cu_seqlens=torch.arange(len(requests) + 1, device=dev, dtype=torch.int32),
+                                max_seqlen=1, slot_b=rows, slot_pos=lens, is_decode=True, kv_lens=lens + 1)  # fmt: skip
+                h = self.model.llm(self.model.llm.embed_tokens(tok), lens, meta, cache)
+                tok = sample(self.model.llm.logits(h), sampling.temperature, sampling.top_p, gen)
+                lens = lens + 1
+                for b, t in enumerate(tok.tolist()):
+                    if not done[b]:
+                        out[b].append(t)
+                        done[b] = t in stops
+        end_s = time.perf_counter()
+        stats = {"cache_hit_image": hits, "cached_prefix_tokens": prefix_lens}
+        return BatchResult(out, t_vit.elapsed(), t_pre.elapsed(), t_dec.elapsed(), first_s, end_s, stats)
+
+    def _use_prefix_cache(self, requests: list[Request], feats: list):
+        """Split each request into a cached prefix (filled on first sight) and the new tokens after it."""
+        keys, plens = [], []
+        missing: dict[str, tuple[str, torch.Tensor, torch.Tensor]] = {}
+        for r, f in zip(requests, feats, strict=True):
+            p = self._prefix_len(r.input_ids)
+            if p == 0 or p >= r.input_ids.shape[0]:
+                keys.append(None)
+                plens.append(0)
+                continue
+            k = self._prefix_key(r.input_ids[:p], r.image_key)
+            keys.append(k)
+            plens.append(p)
+            if k not in self.prefix_cache and k not in missing:
+                missing[k] = (k, r.input_ids[:p], f)
+        if missing:
+            self._fill_prefixes(list(missing.values()))
+        ids, new_feats, prefixes = [], [], []
+        for r, f, k, p in zip(requests, feats, keys, plens, strict=True):
+            if k is None or k not in self.prefix_cache:
+                ids.append(r.input_ids)
+                new_feats.append(f)
+                prefixes.append(None)
+                plens[len(ids) - 1] = 0
+                continue
+            self.prefix_cache.move_to_end(k)
+            self.counters["prefix_cache_hits"] += 1
+            self.counters["prefix_tokens_reused"] += p
+            ids.append(r.input_ids[p:])
+            new_feats.append(None)  # every image token lies inside the prefix
+            prefixes.append(self.prefix_cache[k])
+        return ids, new_feats, plens, prefixes

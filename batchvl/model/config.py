@@ -161,7 +161,9 @@ def llm_from_dict(d: dict) -> LLMConfig:
     archs = " ".join(d.get("architectures") or []) + " " + str(d.get("model_type", ""))
     arch = "internlm2" if "internlm2" in archs.lower() else "qwen2"
     if arch == "qwen2" and "qwen2" not in archs.lower() and "llama" not in archs.lower():
-        raise ValueError(f"unsupported LLM architecture {archs.strip()!r}: batchvl supports Qwen2 and InternLM2")
+        raise ValueError(
+            f"unsupported LLM architecture {archs.strip()!r}: batchvl supports Qwen2 and InternLM2"
+        )
     num_heads = d["num_attention_heads"]
     return LLMConfig(
         arch=arch,
@@ -171,7 +173,9 @@ def llm_from_dict(d: dict) -> LLMConfig:
         num_heads=num_heads,
         num_kv_heads=_pick(d, "num_key_value_heads", default=num_heads),
         intermediate_size=d["intermediate_size"],
-        rope_theta=float(_pick(d, "rope_theta", default=(d.get("rope_parameters") or {}).get("rope_theta", 1e6))),
+        rope_theta=float(
+            _pick(d, "rope_theta", default=(d.get("rope_parameters") or {}).get("rope_theta", 1e6))
+        ),
         rope_scaling=_rope_scaling(d),
         rms_norm_eps=float(_pick(d, "rms_norm_eps", default=1e-6)),
         qkv_bias=(arch == "qwen2") if "bias" not in d else bool(d["bias"]),
@@ -203,7 +207,7 @@ def from_dict(cfg: dict) -> InternVLConfig:
     vision = vision_from_dict(cfg["vision_config"])
     llm = llm_from_dict(llm_d)
     if "tie_word_embeddings" in cfg and "llm_config" not in cfg:
-        llm.tie_word_embeddings = bool(cfg["tie_word_embeddings"] or llm.tie_word_embeddings)
+        llm.tie_word_embeddings = bool(cfg["tie_word_embeddings"])  # transformers ties at the top level
     select_layer = _pick(cfg, "select_layer", "vision_feature_layer", default=-1)
     if select_layer != -1:
         raise ValueError(f"select_layer={select_layer} is not supported (InternVL2.5 uses -1)")

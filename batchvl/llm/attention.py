@@ -1,0 +1,101 @@
+"""Attention for packed (varlen) prefill and for decode against the KV cache.
+
+Prefill takes a flat token tensor plus `cu_seqlens` (no padding). Backends:
+- "sdpa": one causal SDPA call per sequence (the reference; any device);
+- "varlen": `torch.nn.attention.varlen.varlen_attn` (flash varlen, CUDA), when this torch has it.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttnMeta:
+    """Where each token of a packed batch sits: its sequence and its slot in the KV cache."""
+
+    cu_seqlens: torch.Tensor  # [B+1] int32, prefix sums of the new tokens per sequence
+    max_seqlen: int
+    slot_b: torch.Tensor  # [T] int64, which cache row each token goes to
+    slot_pos: torch.Tensor  # [T] int64, its position in that row
+    is_decode: bool = False
+    kv_lens: torch.Tensor | None = None  # [B] int64, decode: valid cache length after this step
+    prefix_lens: list[int] | None = None  # prefill: tokens already in the cache per sequence (prefix cache)
+
+
+def _varlen_fn():
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # torch >= 2.10
+    except Exception:  # noqa: BLE001
+        return None
+    return varlen_attn
+
+
+_VARLEN = _varlen_fn()
+_VARLEN_PARAMS = set(inspect.signature(_VARLEN).parameters) if _VARLEN is not None else set()
+
+
+def varlen_available(device: torch.device) -> bool:
+    return _VARLEN is not None and device.type == "cuda"
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask=None) -> torch.Tensor:
+    """q [Lq, H, D], k/v [Lk, Hkv, D] -> [Lq, H, D] with GQA."""
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, is_causal=causal
+    )
+    return out.transpose(0, 1)
+
+
+def prefill_sdpa(q, k, v, meta: AttnMeta, k_cache=None, v_cache=None) -> torch.Tensor:
+    """Reference: causal attention per sequence. With a prefix in the cache, attend to it too."""
+    cu = meta.cu_seqlens.tolist()
+    outs = []
+    for i in range(len(cu) - 1):
+        s, e = cu[i], cu[i + 1]
+        p = meta.prefix_lens[i] if meta.prefix_lens else 0
+        if p:
+            row = int(meta.slot_b[s])
+            kk = k_cache[row, : p + e - s]  # [prefix + new, Hkv, D]
+            vv = v_cache[row, : p + e - s]
+            n = e - s
+            # new token j sees cache positions <= p + j
+            mask = torch.ones(n, p + n, dtype=torch.bool, device=q.device).tril(diagonal=p)
+            outs.append(_sdpa(q[s:e], kk, vv, causal=False, mask=mask))
+        else:
+            outs.append(_sdpa(q[s:e], k[s:e], v[s:e], causal=True))
+    return torch.cat(outs, 0)
+
+
+def prefill_varlen(q, k, v, meta: AttnMeta) -> torch.Tensor:
+    """Flash varlen attention over the packed batch (CUDA)."""
+    cu = meta.cu_seqlens.to(torch.int32)
+    kw = {"is_causal": True}
+    if "enable_gqa" in _VARLEN_PARAMS:
+        kw["enable_gqa"] = True
+    elif q.shape[1] != k.shape[1]:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return _VARLEN(q, k, v, cu, cu, meta.max_seqlen, meta.max_seqlen, **kw)
+
+
+def decode_attention(q, k_cache, v_cache, kv_lens) -> torch.Tensor:
+    """q [B, H, D] against cache rows [B, S, Hkv, D], keys < kv_lens[b] valid -> [B, H, D]."""
+    s = k_cache.shape[1]
+    rep = q.shape[1] // k_cache.shape[2]
+    mask = torch.arange(s, device=q.device)[None, :] < kv_lens[:, None]  # [B, S]
+    kk = k_cache.transpose(1, 2)  # [B, Hkv, S, D]
+    vv = v_cache.transpose(1, 2)
+    if rep > 1:
+        kk = kk.repeat_interleave(rep, dim=1)
+        vv = vv.repeat_interleave(rep, dim=1)
+    out = F.scaled_dot_product_attention(q[:, :, None], kk, vv, attn_mask=mask[:, None, None, :])
+    return out[:, :, 0]

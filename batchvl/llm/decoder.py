@@ -1,0 +1,146 @@
+"""Qwen2 and InternLM2 decoders in one module (they differ only in qkv bias and checkpoint layout).
+
+Packed interface: hidden states are flat [T, hidden] (no padding); `AttnMeta` says where each token sits.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from batchvl.llm.attention import AttnMeta, decode_attention, prefill_sdpa, prefill_varlen, varlen_available
+from batchvl.llm.kv_cache import KVCache
+from batchvl.model.config import LLMConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Rotary(nn.Module):
+    """RoPE, rotate-half layout (Qwen2 and InternLM2). Linear scaling divides positions; dynamic NTK
+    only changes anything past max_position_embeddings, which batchvl refuses (prompts are capped)."""
+
+    def __init__(self, cfg: LLMConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.register_buffer("inv_freq", torch.empty(cfg.head_dim // 2), persistent=False)
+        self.reset()
+        scaling = cfg.rope_scaling or {}
+        self.pos_scale = 1.0 / scaling["factor"] if scaling.get("type") == "linear" else 1.0
+        self.max_pos = cfg.max_position_embeddings if scaling.get("type") == "dynamic" else None
+
+    def reset(self, device: torch.device | None = None) -> None:
+        """(Re)compute inv_freq, e.g. after the model was built on the meta device."""
+        d = self.cfg.head_dim
+        inv = 1.0 / (self.cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+        if device is not None or self.inv_freq.device.type != "meta":
+            self.inv_freq = inv.float().to(device or self.inv_freq.device)
+
+    def forward(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """pos [T] -> cos, sin [T, 1, head_dim] (float32)."""
+        freqs = (pos.float() * self.pos_scale)[:, None] * self.inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]
+        return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, head_dim]."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    rot = torch.cat([-x2, x1], dim=-1)
+    return (x.float() * cos + rot * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LLMConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.qkv = nn.Linear(
+            cfg.hidden_size, (self.n_heads + 2 * self.n_kv) * self.head_dim, bias=cfg.qkv_bias
+        )
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.backend = "auto"  # "auto" | "sdpa" | "varlen"
+
+    def forward(self, x, cos, sin, meta: AttnMeta, cache: KVCache | None, layer: int) -> torch.Tensor:
+        t = x.shape[0]
+        q_sz, kv_sz = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+        q, k, v = self.qkv(x).split([q_sz, kv_sz, kv_sz], dim=-1)
+        q = apply_rope(q.view(t, self.n_heads, self.head_dim), cos, sin)  # [T, heads, head_dim]
+        k = apply_rope(k.view(t, self.n_kv, self.head_dim), cos, sin)  # [T, kv_heads, head_dim]
+        v = v.view(t, self.n_kv, self.head_dim)
+        if cache is not None:
+            cache.write(layer, meta.slot_b, meta.slot_pos, k, v)
+        if meta.is_decode:
+            kc, vc = cache.layer(layer)
+            o = decode_attention(q, kc, vc, meta.kv_lens)
+        elif meta.prefix_lens and any(meta.prefix_lens):
+            kc, vc = cache.layer(layer)
+            o = prefill_sdpa(q, k, v, meta, kc, vc)
+        elif self.backend == "varlen" or (self.backend == "auto" and varlen_available(x.device)):
+            o = prefill_varlen(q, k, v, meta)
+        else:
+            o = prefill_sdpa(q, k, v, meta)
+        return self.o_proj(o.reshape(t, q_sz))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: LLMConfig):
+        super().__init__()
+        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)  # [gate; up]
+        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: LLMConfig):
+        super().__init__()
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, meta, cache, layer):
+        x = x + self.attn(self.input_norm(x), cos, sin, meta, cache, layer)
+        return x + self.mlp(self.post_attn_norm(x))
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: LLMConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = Rotary(cfg)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(
+        self, h: torch.Tensor, pos: torch.Tensor, meta: AttnMeta, cache: KVCache | None
+    ) -> torch.Tensor:
+        """h [T, hidden] input embeddings, pos [T] -> final-normed hidden [T, hidden]."""
+        if self.rotary.max_pos is not None and int(pos.max()) >= self.rotary.max_pos:
+            raise ValueError(
+                f"position {int(pos.max())} is past max_position_embeddings={self.rotary.max_pos}"
+            )
+        cos, sin = self.rotary(pos)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, meta, cache, i)
+        return self.norm(h)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(h).float()

@@ -1,0 +1,28 @@
+"""A KV cache for one batch: a row per request, padded to the longest request plus the decode steps."""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """k, v: [layers, rows, max_len, kv_heads, head_dim]."""
+
+    def __init__(self, num_layers: int, rows: int, max_len: int, kv_heads: int, head_dim: int, device, dtype):
+        shape = (num_layers, rows, max_len, kv_heads, head_dim)
+        self.k = torch.empty(shape, device=device, dtype=dtype)
+        self.v = torch.empty(shape, device=device, dtype=dtype)
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def write(
+        self, layer: int, slot_b: torch.Tensor, slot_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ):
+        """Scatter k/v [T, kv_heads, head_dim] into (row, position) slots."""
+        self.k[layer, slot_b, slot_pos] = k
+        self.v[layer, slot_b, slot_pos] = v
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[layer], self.v[layer]

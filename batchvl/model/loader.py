@@ -1,0 +1,310 @@
+"""Build InternVL from a local checkpoint (OpenGVLab or transformers layout, safetensors) or with random weights.
+
+The model is built on the meta device; each tensor is read, re-keyed (fused qkv, gate/up, InternLM2's packed
+wqkv unpacked) and copied straight to its device and dtype. A `shard` hook lets a tensor-parallel rank keep
+only its slice of each tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from batchvl.model.config import InternVLConfig, from_preset, load_config
+from batchvl.model.internvl import InternVL
+
+ShardFn = Callable[[str, torch.Tensor], torch.Tensor]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not fit the model: names the tensor."""
+
+
+@dataclass
+class Recipe:
+    sources: tuple[str, ...]
+    combine: str = "one"  # "one" | "cat" (concatenate rows) | "wqkv" (InternLM2 packed qkv)
+
+
+def _vision_rules(layout: str) -> list[tuple[str, tuple[str, ...]]]:
+    """(our-name regex, source templates) for the vision tower and projector."""
+    if layout == "opengvlab":
+        return [
+            (r"vision\.vit\.embeddings\.(.+)", ("vision_model.embeddings.{0}",)),
+            (r"vision\.vit\.layers\.(\d+)\.(.+)", ("vision_model.encoder.layers.{0}.{1}",)),
+            (r"vision\.projector\.norm\.(.+)", ("mlp1.0.{0}",)),
+            (r"vision\.projector\.fc1\.(.+)", ("mlp1.1.{0}",)),
+            (r"vision\.projector\.fc2\.(.+)", ("mlp1.3.{0}",)),
+        ]
+    L = "vision_tower.encoder.layer.{0}."
+    return [
+        (r"vision\.vit\.embeddings\.class_embedding", ("vision_tower.embeddings.cls_token",)),
+        (r"vision\.vit\.embeddings\.position_embedding", ("vision_tower.embeddings.position_embeddings",)),
+        (r"vision\.vit\.embeddings\.patch_embedding\.(.+)", ("vision_tower.embeddings.patch_embeddings.projection.{0}",)),
+        (r"vision\.vit\.layers\.(\d+)\.attn\.qkv\.(.+)",
+         (L + "attention.q_proj.{1}", L + "attention.k_proj.{1}", L + "attention.v_proj.{1}")),
+        (r"vision\.vit\.layers\.(\d+)\.attn\.(q_norm|k_norm)\.(.+)", (L + "attention.{1}.{2}",)),
+        (r"vision\.vit\.layers\.(\d+)\.attn\.proj\.(.+)", (L + "attention.projection_layer.{1}",)),
+        (r"vision\.vit\.layers\.(\d+)\.ls1", (L + "lambda_1",)),
+        (r"vision\.vit\.layers\.(\d+)\.ls2", (L + "lambda_2",)),
+        (r"vision\.vit\.layers\.(\d+)\.norm1\.(.+)", (L + "layernorm_before.{1}",)),
+        (r"vision\.vit\.layers\.(\d+)\.norm2\.(.+)", (L + "layernorm_after.{1}",)),
+        (r"vision\.vit\.layers\.(\d+)\.mlp\.(.+)", (L + "mlp.{1}",)),
+        (r"vision\.projector\.norm\.(.+)", ("multi_modal_projector.layer_norm.{0}",)),
+        (r"vision\.projector\.fc1\.(.+)", ("multi_modal_projector.linear_1.{0}",)),
+        (r"vision\.projector\.fc2\.(.+)", ("multi_modal_projector.linear_2.{0}",)),
+    ]  # fmt: skip
+
+
+def _llm_rules(arch: str, prefix: str, head: str) -> list[tuple[str, tuple[str, ...]]]:
+    """Rules for the decoder; `prefix` is e.g. 'language_model.model.', `head` the lm_head key."""
+    P, L = prefix, prefix + "layers.{0}."
+    if arch == "internlm2":
+        return [
+            (r"llm\.embed_tokens\.weight", (P + "tok_embeddings.weight",)),
+            (r"llm\.layers\.(\d+)\.input_norm\.weight", (L + "attention_norm.weight",)),
+            (r"llm\.layers\.(\d+)\.attn\.qkv\.weight", (L + "attention.wqkv.weight",)),
+            (r"llm\.layers\.(\d+)\.attn\.o_proj\.weight", (L + "attention.wo.weight",)),
+            (r"llm\.layers\.(\d+)\.post_attn_norm\.weight", (L + "ffn_norm.weight",)),
+            (
+                r"llm\.layers\.(\d+)\.mlp\.gate_up\.weight",
+                (L + "feed_forward.w1.weight", L + "feed_forward.w3.weight"),
+            ),
+            (r"llm\.layers\.(\d+)\.mlp\.down\.weight", (L + "feed_forward.w2.weight",)),
+            (r"llm\.norm\.weight", (P + "norm.weight",)),
+            (r"llm\.lm_head\.weight", (head,)),
+        ]
+    return [
+        (r"llm\.embed_tokens\.weight", (P + "embed_tokens.weight",)),
+        (r"llm\.layers\.(\d+)\.input_norm\.weight", (L + "input_layernorm.weight",)),
+        (r"llm\.layers\.(\d+)\.attn\.qkv\.(.+)",
+         (L + "self_attn.q_proj.{1}", L + "self_attn.k_proj.{1}", L + "self_attn.v_proj.{1}")),
+        (r"llm\.layers\.(\d+)\.attn\.o_proj\.weight", (L + "self_attn.o_proj.weight",)),
+        (r"llm\.layers\.(\d+)\.post_attn_norm\.weight", (L + "post_attention_layernorm.weight",)),
+        (r"llm\.layers\.(\d+)\.mlp\.gate_up\.weight", (L + "mlp.gate_proj.weight", L + "mlp.up_proj.weight")),
+        (r"llm\.layers\.(\d+)\.mlp\.down\.weight", (L + "mlp.down_proj.weight",)),
+        (r"llm\.norm\.weight", (P + "norm.weight",)),
+        (r"llm\.lm_head\.weight", (head,)),
+    ]  # fmt: skip
+
+
+def detect_layout(keys: set[str]) -> tuple[str, str, str]:
+    """-> (layout, llm prefix, lm_head key)."""
+    if any(k.startswith("vision_model.") for k in keys):
+        head = "language_model.lm_head.weight"
+        if "language_model.output.weight" in keys:
+            head = "language_model.output.weight"
+        return "opengvlab", "language_model.model.", head
+    if any(k.startswith("model.vision_tower.") for k in keys):
+        return "transformers-model", "model.language_model.", "lm_head.weight"
+    if any(k.startswith("vision_tower.") for k in keys):
+        return "transformers", "language_model.model.", "language_model.lm_head.weight"
+    raise CheckpointError("unrecognised checkpoint layout: no vision_model.* or vision_tower.* tensors")
+
+
+def plan(model: InternVL, keys: set[str]) -> dict[str, Recipe]:
+    """Our parameter name -> where its tensor comes from."""
+    layout, prefix, head = detect_layout(keys)
+    strip = "model." if layout == "transformers-model" else ""
+    rules = [(re.compile(p), [strip + s if not s.startswith(prefix) else s for s in src])
+             for p, src in _vision_rules("opengvlab" if layout == "opengvlab" else "transformers")]  # fmt: skip
+    rules += [(re.compile(p), list(src)) for p, src in _llm_rules(model.cfg.llm.arch, prefix, head)]
+    out = {}
+    for name, _ in model.named_parameters(remove_duplicate=True):
+        for rx, src in rules:
+            m = rx.fullmatch(name)
+            if m:
+                sources = tuple(s.format(*m.groups()) for s in src)
+                combine = (
+                    "wqkv" if sources[0].endswith("wqkv.weight") else ("cat" if len(sources) > 1 else "one")
+                )
+                out[name] = Recipe(sources, combine)
+                break
+        else:
+            raise CheckpointError(f"no checkpoint rule for parameter {name}")
+    return out
+
+
+def _unpack_wqkv(w: torch.Tensor, n_heads: int, n_kv: int, head_dim: int) -> torch.Tensor:
+    """InternLM2 packs [kv groups, (q_per_kv q heads, k, v), head_dim] rows; return [q; k; v] rows."""
+    g = w.view(n_kv, n_heads // n_kv + 2, head_dim, -1)
+    q = g[:, :-2].reshape(n_heads * head_dim, -1)
+    return torch.cat([q, g[:, -2].reshape(n_kv * head_dim, -1), g[:, -1].reshape(n_kv * head_dim, -1)])
+
+
+class _Reader:
+    """Reads tensors by name from a directory of safetensors files (sharded via the index, or single)."""
+
+    def __init__(self, path: Path):
+        index = path / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+        else:
+            files = sorted(path.glob("*.safetensors"))
+            if not files:
+                raise FileNotFoundError(
+                    f"no *.safetensors files in {path} (only safetensors checkpoints load)"
+                )
+            weight_map = {}
+            for f in files:
+                with safe_open(f, "pt") as h:
+                    weight_map.update(dict.fromkeys(h.keys(), f.name))
+        self.path, self.weight_map, self._open = path, weight_map, {}
+
+    def keys(self) -> set[str]:
+        return set(self.weight_map)
+
+    def get(self, key: str) -> torch.Tensor:
+        fname = self.weight_map[key]
+        if fname not in self._open:
+            if not (self.path / fname).is_file():
+                raise FileNotFoundError(f"{key}: shard file {fname} listed in the index is missing")
+            self._open[fname] = safe_open(self.path / fname, "pt")
+        return self._open[fname].get_tensor(key)
+
+
+def build_empty(cfg: InternVLConfig) -> InternVL:
+    with torch.device("meta"):
+        return InternVL(cfg)
+
+
+def _materialize(model: InternVL, device: torch.device, dtype: torch.dtype) -> None:
+    model.to_empty(device=device)
+    model.to(dtype)
+    model.llm.rotary.reset(device)
+    if model.cfg.llm.tie_word_embeddings:
+        model.llm.lm_head.weight = model.llm.embed_tokens.weight
+
+
+def load_model(
+    path: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    trust_remote_code: bool = False,
+    shard: ShardFn | None = None,
+    prepare: Callable[[InternVL], None] | None = None,
+) -> tuple[InternVL, InternVLConfig]:
+    """Load a checkpoint directory. `prepare(model)` runs on the meta model (e.g. TP sharding) before loading."""
+    del trust_remote_code  # batchvl's own modules are used; no checkpoint code is ever run
+    path, device = Path(path), torch.device(device)
+    cfg = load_config(path)
+    reader = _Reader(path)
+    keys = reader.keys()
+    if cfg.image_token_id < 0:
+        cfg.image_token_id = _image_token_from_tokenizer(path)
+    model = build_empty(cfg)
+    if prepare is not None:
+        prepare(model)
+    recipes = plan(model, keys)
+    used: set[str] = set()
+    _materialize(model, device, dtype)
+    params = dict(model.named_parameters())
+    for name, r in recipes.items():
+        if name == "llm.lm_head.weight" and cfg.llm.tie_word_embeddings:
+            continue
+        missing = [s for s in r.sources if s not in keys]
+        if missing:
+            raise CheckpointError(f"{name}: missing tensor(s) {', '.join(missing)} in {path}")
+        parts = [reader.get(s) for s in r.sources]
+        for s, t in zip(r.sources, parts, strict=True):
+            if not t.is_floating_point():
+                raise CheckpointError(f"{s}: dtype {t.dtype} is not a floating-point weight")
+        used.update(r.sources)
+        if r.combine == "wqkv":
+            c = cfg.llm
+            t = _unpack_wqkv(parts[0], c.num_heads, c.num_kv_heads, c.head_dim)
+        elif r.combine == "cat":
+            t = torch.cat(parts, 0)
+        else:
+            t = parts[0]
+        if shard is not None:
+            t = shard(name, t)
+        p = params[name]
+        if t.shape != p.shape:
+            raise CheckpointError(
+                f"{name} (from {', '.join(r.sources)}): shape {tuple(t.shape)} != {tuple(p.shape)}"
+            )
+        with torch.no_grad():
+            p.copy_(t.to(device=device, dtype=dtype))
+    unexpected = sorted(keys - used - _IGNORED(keys))
+    if unexpected:
+        raise CheckpointError(f"unexpected tensors in {path}: {', '.join(unexpected[:8])}" +
+                              (f" (+{len(unexpected) - 8} more)" if len(unexpected) > 8 else ""))  # fmt: skip
+    return model.eval(), cfg
+
+
+def _IGNORED(keys: set[str]) -> set[str]:  # noqa: N802
+    """Tensors a checkpoint may carry that InternVL2.5 inference does not use."""
+    return {k for k in keys if k.endswith(("rotary_emb.inv_freq", "embeddings.mask_token"))}
+
+
+def _image_token_from_tokenizer(path: Path) -> int:
+    """OpenGVLab checkpoints name no image token id in config.json: look <IMG_CONTEXT> up in the tokenizer files."""
+    for fname in ("tokenizer.json", "added_tokens.json", "tokenizer_config.json"):
+        f = path / fname
+        if not f.is_file():
+            continue
+        data = json.loads(f.read_text())
+        if fname == "tokenizer.json":
+            for tok in data.get("added_tokens", []):
+                if tok.get("content") == "<IMG_CONTEXT>":
+                    return int(tok["id"])
+        elif fname == "added_tokens.json" and "<IMG_CONTEXT>" in data:
+            return int(data["<IMG_CONTEXT>"])
+        elif fname == "tokenizer_config.json":
+            for tid, tok in (data.get("added_tokens_decoder") or {}).items():
+                if tok.get("content") == "<IMG_CONTEXT>":
+                    return int(tid)
+    raise CheckpointError(
+        f"cannot find the <IMG_CONTEXT> token id in {path}'s tokenizer files or config.json"
+    )
+
+
+@torch.no_grad()
+def init_random(
+    model: InternVL,
+    seed: int = 0,
+    std: float = 0.02,
+    shard: ShardFn | None = None,
+    full_shapes: dict | None = None,
+) -> None:
+    """Draw every parameter on its device: N(0, std) for weights and biases, 1 + N(0, std) for norm weights,
+    0.1 + N(0, std) for layer scales. Never zeros, never uninitialised memory. Each tensor has its own seed
+    (from its name), so a tensor-parallel rank that draws the full tensor and keeps its shard gets the same
+    values as one process."""
+    for i, (name, p) in enumerate(model.named_parameters()):
+        shape = full_shapes[name] if full_shapes else p.shape
+        g = torch.Generator(device=p.device).manual_seed(seed * 1_000_003 + i)
+        t = torch.randn(shape, generator=g, device=p.device, dtype=torch.float32) * std
+        if re.search(r"norm\d?\.weight$", name):
+            t += 1.0
+        elif name.endswith(("ls1", "ls2")):
+            t += 0.1
+        if shard is not None:
+            t = shard(name, t)
+        p.copy_(t.to(p.dtype))
+
+
+def random_model(
+    preset: str | InternVLConfig,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    prepare: Callable[[InternVL], None] | None = None,
+    shard: ShardFn | None = None,
+) -> tuple[InternVL, InternVLConfig]:
+    """A model of a preset's shapes with seeded random weights drawn on `device`."""
+    cfg = from_preset(preset) if isinstance(preset, str) else preset
+    model = build_empty(cfg)
+    full_shapes = {n: p.shape for n, p in model.named_parameters()}
+    if prepare is not None:
+        prepare(model)
+    _materialize(model, torch.device(device), dtype)
+    init_random(model, seed, shard=shard, full_shapes=full_shapes)
+    return model.eval(), cfg

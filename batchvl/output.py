@@ -1,0 +1,345 @@
+"""Parquet output: row schema, atomic part writer, manifest/resume checks and the benchmark summary."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+
+
+def _f(name: str, typ: pa.DataType, role: str | None = None) -> pa.Field:
+    """A nullable field, tagged with a role ("stage", "latency", "timestamp") in its metadata."""
+    return pa.field(name, typ, metadata={"role": role} if role else None)
+
+
+ROW_SCHEMA: pa.Schema = pa.schema(
+    [
+        _f("id", pa.string()),
+        _f("rank", pa.int32()),
+        _f("batch_id", pa.int64()),
+        _f("prompt_token_ids", pa.list_(pa.int32())),
+        _f("num_tiles", pa.int32()),
+        _f("num_image_tokens", pa.int32()),
+        _f("num_text_tokens", pa.int32()),
+        _f("output_token_ids", pa.list_(pa.int32())),
+        _f("output_text", pa.string()),
+        _f("error", pa.string()),
+        _f("cache_hit_image", pa.bool_()),
+        _f("cached_prefix_tokens", pa.int32()),
+        _f("queue_ms", pa.float64(), "stage"),
+        _f("preprocess_ms", pa.float64(), "stage"),
+        _f("batch_wait_ms", pa.float64(), "stage"),
+        _f("vit_ms", pa.float64(), "stage"),
+        _f("prefill_ms", pa.float64(), "stage"),
+        _f("decode_ms", pa.float64(), "stage"),
+        _f("ttft_ms", pa.float64(), "latency"),
+        _f("e2e_ms", pa.float64(), "latency"),
+        _f("tpot_ms", pa.float64(), "latency"),
+        _f("t_read_s", pa.float64(), "timestamp"),
+        _f("t_prepared_s", pa.float64(), "timestamp"),
+        _f("t_batch_start_s", pa.float64(), "timestamp"),
+        _f("t_first_token_s", pa.float64(), "timestamp"),
+        _f("t_done_s", pa.float64(), "timestamp"),
+    ]
+)
+
+
+def columns_with_role(role: str) -> tuple[str, ...]:
+    """Names of ROW_SCHEMA columns tagged with `role`, in schema order."""
+    return tuple(f.name for f in ROW_SCHEMA if (f.metadata or {}).get(b"role") == role.encode())
+
+
+STAGE_COLUMNS: tuple[str, ...] = columns_with_role("stage")
+MANIFEST_NAME = "manifest.json"
+_PART_RE = re.compile(r"^part-(\d{5,})-(\d{6,})\.parquet$")
+
+
+class ResumeError(RuntimeError):
+    """The output dir holds a different job's results (or results that cannot be verified)."""
+
+
+def _part_files(out_dir: str | Path, rank: int | None = None) -> list[Path]:
+    """Finished part files in `out_dir` (of one rank if given), sorted by (rank, chunk)."""
+    d = Path(out_dir)
+    if not d.is_dir():
+        return []
+    found = []
+    for p in d.iterdir():
+        m = _PART_RE.match(p.name)
+        if m and (rank is None or int(m.group(1)) == rank):
+            found.append((int(m.group(1)), int(m.group(2)), p))
+    return [p for _, _, p in sorted(found)]
+
+
+def _fsync_dir(d: Path) -> None:
+    """Best-effort fsync of a directory so a rename survives a crash."""
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(path: Path, write: Callable[[BinaryIO], object]) -> None:
+    """Call `write(fileobj)` on a hidden temp file next to `path`, fsync it, then os.replace onto `path`."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+class PartWriter:
+    """Buffers row dicts and writes them as atomic Parquet parts `part-<rank:05d>-<chunk:06d>.parquet`."""
+
+    def __init__(
+        self, out_dir: str | Path, rank: int, rows_per_part: int = 1000, start_chunk: int | None = None
+    ) -> None:
+        if rows_per_part < 1:
+            raise ValueError(f"rows_per_part must be >= 1, got {rows_per_part}")
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.rank = rank
+        self.rows_per_part = rows_per_part
+        for stale in self.out_dir.glob(f".part-{rank:05d}-*.tmp"):  # left by a crash mid-write
+            stale.unlink(missing_ok=True)
+        if start_chunk is None:
+            parts = _part_files(self.out_dir, rank)
+            start_chunk = int(_PART_RE.match(parts[-1].name).group(2)) + 1 if parts else 0
+        self.chunk = start_chunk
+        self._rows: list[dict] = []
+        self._closed = False
+
+    def add(self, row: dict) -> None:
+        """Buffer one row (missing keys become null, `rank` defaults to the writer's); write a part when full."""
+        if self._closed:
+            raise RuntimeError("PartWriter is closed")
+        unknown = row.keys() - set(ROW_SCHEMA.names)
+        if unknown:
+            raise ValueError(f"row has columns not in ROW_SCHEMA: {sorted(unknown)}")
+        if not isinstance(row.get("id"), str):
+            raise ValueError(f"row needs a string 'id', got {row.get('id')!r}")
+        self._rows.append({"rank": self.rank, **row})
+        if len(self._rows) >= self.rows_per_part:
+            self.flush()
+
+    def flush(self) -> Path | None:
+        """Write the buffered rows as the next part (atomically); return its path, or None if nothing was buffered."""
+        if not self._rows:
+            return None
+        table = pa.Table.from_pylist(self._rows, schema=ROW_SCHEMA)
+        path = self.out_dir / f"part-{self.rank:05d}-{self.chunk:06d}.parquet"
+        _atomic_write(path, lambda f: pq.write_table(table, f))
+        self._rows = []
+        self.chunk += 1
+        return path
+
+    def close(self) -> None:
+        """Flush what is left; further add() calls raise."""
+        if not self._closed:
+            self.flush()
+            self._closed = True
+
+    def __enter__(self) -> PartWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_rows(out_dir: str | Path) -> pa.Table:
+    """All rows of all finished part files (temp files ignored), as a ROW_SCHEMA table."""
+    files = _part_files(out_dir)
+    if not files:
+        return ROW_SCHEMA.empty_table()
+    return ds.dataset([str(p) for p in files], schema=ROW_SCHEMA, format="parquet").to_table()
+
+
+def done_ids(out_dir: str | Path, rank: int | None = None) -> set[str]:
+    """Ids already written (ok or error rows) by all ranks, or by one rank's part files."""
+    files = _part_files(out_dir, rank)
+    if not files:
+        return set()
+    ids = ds.dataset([str(p) for p in files], schema=ROW_SCHEMA, format="parquet").to_table(columns=["id"])
+    return set(ids.column("id").to_pylist())
+
+
+def write_manifest(out_dir: str | Path, manifest: dict) -> None:
+    """Write manifest.json atomically (call again to update, e.g. ended_at)."""
+    d = Path(out_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    data = json.dumps(manifest, indent=2, sort_keys=True, default=str).encode()
+    _atomic_write(d / MANIFEST_NAME, lambda f: f.write(data))
+
+
+def read_manifest(out_dir: str | Path) -> dict | None:
+    """The manifest.json dict, or None if there is none."""
+    p = Path(out_dir) / MANIFEST_NAME
+    return json.loads(p.read_text()) if p.is_file() else None
+
+
+def fingerprint(obj: Any) -> str:
+    """Short sha256 hex (16 chars) of the canonical JSON (sorted keys, no spaces) of `obj`."""
+    canon = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+    return hashlib.sha256(canon.encode()).hexdigest()[:16]
+
+
+def check_resume(out_dir: str | Path, job_fp: str, model_fp: str, overwrite: bool) -> str:
+    """Decide "fresh" | "resume" | "overwrite" for `out_dir`; raise ResumeError on a fingerprint mismatch."""
+    d = Path(out_dir)
+    manifest = read_manifest(d)
+    parts = _part_files(d)
+    if manifest is None and not parts:
+        return "fresh"
+    if overwrite:
+        stale = [*parts, *d.glob(".part-*.tmp"), d / MANIFEST_NAME, d / "summary.json", d / "summary.txt"]
+        for p in stale:
+            p.unlink(missing_ok=True)
+        return "overwrite"
+    if manifest is None:
+        raise ResumeError(
+            f"{d} has {len(parts)} part file(s) but no {MANIFEST_NAME}, so they cannot be matched to this job; "
+            "pass overwrite to delete them, or use another output dir"
+        )
+    diffs = [
+        f"{key}: existing {manifest.get(key)!r} != this run {new!r}"
+        for key, new in (("job_fingerprint", job_fp), ("model_fingerprint", model_fp))
+        if manifest.get(key) != new
+    ]
+    if diffs:
+        raise ResumeError(
+            f"{d} holds results of a different job ({'; '.join(diffs)}); "
+            "pass overwrite to delete them, or use another output dir"
+        )
+    return "resume"
+
+
+def describe(values: Iterable[float | None]) -> dict[str, float | None]:
+    """Mean, median and P99 (numpy linear interpolation) of the non-null values; None when there are none."""
+    a = np.asarray([v for v in values if v is not None], dtype=np.float64)
+    if a.size == 0:
+        return {"mean": None, "median": None, "p99": None}
+    return {"mean": float(a.mean()), "median": float(np.median(a)), "p99": float(np.percentile(a, 99))}
+
+
+def _col(table: pa.Table, name: str) -> pa.ChunkedArray:
+    """Column `name`, or all nulls of its ROW_SCHEMA type if the table lacks it."""
+    if name in table.column_names:
+        return table.column(name)
+    return pa.chunked_array([pa.nulls(table.num_rows, ROW_SCHEMA.field(name).type)])
+
+
+def _sum(arr: pa.ChunkedArray | pa.Array) -> int:
+    """Integer sum with nulls as 0."""
+    return int(pc.sum(arr).as_py() or 0)
+
+
+def summarize(table: pa.Table, duration_s: float | None = None) -> dict:
+    """benchmark_serving-style figures (all requests submitted at t=0); failed rows only counted as failed."""
+    failed = pc.is_valid(_col(table, "error"))
+    ok = table.filter(pc.invert(failed))
+    if duration_s is None:
+        duration_s = pc.max(_col(table, "t_done_s")).as_py()
+    text_tokens = _sum(_col(ok, "num_text_tokens"))
+    image_tokens = _sum(_col(ok, "num_image_tokens"))
+    input_tokens = text_tokens + image_tokens
+    output_tokens = _sum(pc.list_value_length(_col(ok, "output_token_ids")))
+
+    def rate(n: int) -> float | None:
+        return n / duration_s if duration_s else None
+
+    s: dict[str, Any] = {
+        "successful_requests": ok.num_rows,
+        "failed_requests": table.num_rows - ok.num_rows,
+        "benchmark_duration_s": None if duration_s is None else float(duration_s),
+        "total_input_tokens": input_tokens,
+        "total_input_text_tokens": text_tokens,
+        "total_input_image_tokens": image_tokens,
+        "total_generated_tokens": output_tokens,
+        "request_throughput": rate(ok.num_rows),
+        "input_token_throughput": rate(input_tokens),
+        "output_token_throughput": rate(output_tokens),
+        "total_token_throughput": rate(input_tokens + output_tokens),
+    }
+    for metric in ("e2e", "ttft", "tpot"):
+        for stat, value in describe(_col(ok, f"{metric}_ms").to_pylist()).items():
+            s[f"{stat}_{metric}_ms"] = value
+    hits = _col(ok, "cache_hit_image")
+    if hits.null_count < len(hits):
+        s["image_cache_hits"] = _sum(pc.cast(hits, pa.int64()))
+    prefix = _col(ok, "cached_prefix_tokens")
+    if prefix.null_count < len(prefix):
+        s["cached_prefix_tokens"] = _sum(prefix)
+    return s
+
+
+_STATS = (("mean", "Mean"), ("median", "Median"), ("p99", "P99"))
+_LAYOUT: dict[str | None, list[tuple[str, str]]] = {
+    None: [
+        ("successful_requests", "Successful requests:"),
+        ("failed_requests", "Failed requests:"),
+        ("benchmark_duration_s", "Benchmark duration (s):"),
+        ("total_input_tokens", "Total input tokens:"),
+        ("total_input_text_tokens", "  of which text tokens:"),
+        ("total_input_image_tokens", "  of which image tokens:"),
+        ("total_generated_tokens", "Total generated tokens:"),
+        ("request_throughput", "Request throughput (req/s):"),
+        ("input_token_throughput", "Input token throughput (tok/s):"),
+        ("output_token_throughput", "Output token throughput (tok/s):"),
+        ("total_token_throughput", "Total Token throughput (tok/s):"),
+    ],
+    "End-to-end Latency": [(f"{s}_e2e_ms", f"{n} E2EL (ms):") for s, n in _STATS],
+    "Time to First Token": [(f"{s}_ttft_ms", f"{n} TTFT (ms):") for s, n in _STATS],
+    "Time per Output Token (excl. 1st token)": [(f"{s}_tpot_ms", f"{n} TPOT (ms):") for s, n in _STATS],
+    "Cache": [("image_cache_hits", "Image cache hits:"), ("cached_prefix_tokens", "Cached prefix tokens:")],
+}
+
+
+def _fmt(v: Any) -> str:
+    """Ints as-is, floats with 2 decimals, None as n/a."""
+    if v is None:
+        return "n/a"
+    return f"{v:.2f}" if isinstance(v, float) else str(v)
+
+
+def format_summary(summary: dict) -> str:
+    """Fixed-width text table in the style of vLLM's benchmark_serving (keys absent from `summary` skipped)."""
+    lines = ["{s:{c}^50}".format(s=" Serving Benchmark Result ", c="=")]
+    for section, entries in _LAYOUT.items():
+        present = [(key, label) for key, label in entries if key in summary]
+        if section and present:
+            lines.append("{s:{c}^50}".format(s=section, c="-"))
+        lines += [f"{label:<40} {_fmt(summary[key]):<10}".rstrip() for key, label in present]
+    lines.append("=" * 50)
+    return "\n".join(lines)
+
+
+def write_summary(out_dir: str | Path, summary: dict) -> None:
+    """Write summary.json and summary.txt (both atomically)."""
+    d = Path(out_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    data = json.dumps(summary, indent=2).encode()
+    text = (format_summary(summary) + "\n").encode()
+    _atomic_write(d / "summary.json", lambda f: f.write(data))
+    _atomic_write(d / "summary.txt", lambda f: f.write(text))

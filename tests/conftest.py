@@ -1,0 +1,105 @@
+"""Shared fixtures: tiny InternVL checkpoints made with transformers, in both layouts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+IMG_CONTEXT_ID = 151667
+
+
+def tiny_hf_config(vision: str = "6b", text: str = "qwen2", image_size: int = 448):
+    """A transformers InternVLConfig with tiny shapes. vision '6b': RMSNorm + qk-norm, no qkv bias; '300m':
+    LayerNorm + qkv bias. The Qwen vocabulary (151674) keeps real token ids valid."""
+    from transformers import InternVLConfig
+
+    v = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+             image_size=image_size, patch_size=14)  # fmt: skip
+    if vision == "6b":
+        v.update(norm_type="rms_norm", use_qk_norm=True, attention_bias=False)
+    else:
+        v.update(norm_type="layer_norm", use_qk_norm=False, attention_bias=True)
+    t = dict(model_type=text, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             intermediate_size=128, vocab_size=151674, max_position_embeddings=4096, rope_theta=1e6)  # fmt: skip
+    return InternVLConfig(
+        vision_config=v, text_config=t, image_token_id=IMG_CONTEXT_ID, tie_word_embeddings=False
+    )
+
+
+def randomize_(model: torch.nn.Module, seed: int = 0) -> None:
+    """Non-trivial weights everywhere (norm weights and layer scales too), so no parameter hides a mapping bug."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1 and ("norm" in name or "lambda" in name):
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+
+
+@pytest.fixture(scope="session")
+def hf_model_dir(tmp_path_factory):
+    """(dir, model): a tiny transformers InternVLForConditionalGeneration saved with save_pretrained."""
+    from transformers import InternVLForConditionalGeneration
+
+    torch.manual_seed(0)
+    model = InternVLForConditionalGeneration(tiny_hf_config("6b")).eval()
+    randomize_(model)
+    d = tmp_path_factory.mktemp("tiny_hf")
+    model.save_pretrained(d)
+    return d, model
+
+
+def to_opengvlab(hf_dir: Path, out_dir: Path) -> Path:
+    """Re-key a transformers-layout tiny checkpoint to the OpenGVLab layout (fused qkv, mlp1.*, ...)."""
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(hf_dir / "model.safetensors")
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    out: dict[str, torch.Tensor] = {}
+    layers = cfg["vision_config"]["num_hidden_layers"]
+    ren = {"vision_tower.embeddings.cls_token": "vision_model.embeddings.class_embedding",
+           "vision_tower.embeddings.position_embeddings": "vision_model.embeddings.position_embedding",
+           "vision_tower.embeddings.patch_embeddings.projection.weight": "vision_model.embeddings.patch_embedding.weight",
+           "vision_tower.embeddings.patch_embeddings.projection.bias": "vision_model.embeddings.patch_embedding.bias",
+           "multi_modal_projector.layer_norm.weight": "mlp1.0.weight", "multi_modal_projector.layer_norm.bias": "mlp1.0.bias",
+           "multi_modal_projector.linear_1.weight": "mlp1.1.weight", "multi_modal_projector.linear_1.bias": "mlp1.1.bias",
+           "multi_modal_projector.linear_2.weight": "mlp1.3.weight", "multi_modal_projector.linear_2.bias": "mlp1.3.bias"}  # fmt: skip
+    for i in range(layers):
+        a, b = f"vision_tower.encoder.layer.{i}.", f"vision_model.encoder.layers.{i}."
+        for s in ("weight", "bias"):
+            if a + f"attention.q_proj.{s}" in sd:
+                out[b + f"attn.qkv.{s}"] = torch.cat([sd.pop(a + f"attention.{x}_proj.{s}") for x in "qkv"])
+        for x, y in [("layernorm_before", "norm1"), ("layernorm_after", "norm2"), ("attention.projection_layer", "attn.proj"),
+                     ("attention.q_norm", "attn.q_norm"), ("attention.k_norm", "attn.k_norm"), ("mlp.fc1", "mlp.fc1"),
+                     ("mlp.fc2", "mlp.fc2")]:  # fmt: skip
+            for s in ("weight", "bias"):
+                if a + f"{x}.{s}" in sd:
+                    ren[a + f"{x}.{s}"] = b + f"{y}.{s}"
+        ren[a + "lambda_1"], ren[a + "lambda_2"] = b + "ls1", b + "ls2"
+    for k, t in sd.items():
+        out[ren.get(k, k)] = t  # language_model.* keys are the same in both layouts
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in out.items()}, out_dir / "model.safetensors")
+    v, t = cfg["vision_config"], cfg["text_config"]
+    og = {"architectures": ["InternVLChatModel"], "downsample_ratio": 0.5, "select_layer": -1, "ps_version": "v2",
+          "template": "internvl2_5", "max_dynamic_patch": 12, "min_dynamic_patch": 1, "use_thumbnail": True,
+          "force_image_size": v["image_size"][0],
+          "vision_config": {"architectures": ["InternVisionModel"], "hidden_size": v["hidden_size"],
+                            "num_hidden_layers": v["num_hidden_layers"], "num_attention_heads": v["num_attention_heads"],
+                            "intermediate_size": v["intermediate_size"], "norm_type": v["norm_type"],
+                            "qk_normalization": v["use_qk_norm"], "qkv_bias": v["attention_bias"],
+                            "layer_norm_eps": v["layer_norm_eps"], "image_size": v["image_size"][0],
+                            "patch_size": v["patch_size"][0], "hidden_act": "gelu"},
+          "llm_config": {**t, "architectures": ["Qwen2ForCausalLM"], "tie_word_embeddings": cfg["tie_word_embeddings"]}}  # fmt: skip
+    (out_dir / "config.json").write_text(json.dumps(og))
+    # OpenGVLab configs carry no image token id: it comes from the tokenizer files
+    (out_dir / "added_tokens.json").write_text(
+        json.dumps({"<img>": 151665, "</img>": 151666, "<IMG_CONTEXT>": 151667})
+    )
+    return out_dir
