@@ -10,8 +10,9 @@ class KVCache:
 
     def __init__(self, num_layers: int, rows: int, max_len: int, kv_heads: int, head_dim: int, device, dtype):
         shape = (num_layers, rows, max_len, kv_heads, head_dim)
-        self.k = torch.empty(shape, device=device, dtype=dtype)
-        self.v = torch.empty(shape, device=device, dtype=dtype)
+        # zeros, not empty: masked-out slots still enter the attention matmul (0 * NaN would be NaN)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
 
     @staticmethod
     def bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

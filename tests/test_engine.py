@@ -1,0 +1,87 @@
+"""The engine's fast paths (batching, image-embedding cache, shared-prefix cache) against the plain path."""
+
+from __future__ import annotations
+
+import torch
+from conftest import IMG_CONTEXT_ID
+
+from batchvl.engine import Engine, EngineConfig, Request, Sampling
+from batchvl.model.loader import random_model
+
+SYSTEM = list(range(100, 130))
+
+
+def _request(image_seed: int, question: list[int], tiles: int = 1) -> Request:
+    pv = torch.randn(tiles, 3, 448, 448, generator=torch.Generator().manual_seed(image_seed))
+    ids = SYSTEM + [151665] + [IMG_CONTEXT_ID] * (256 * tiles) + [151666, 198] + question
+    return Request(torch.tensor(ids), pv, image_key=f"img{image_seed}")
+
+
+def _requests():
+    g = torch.Generator().manual_seed(0)
+    q = [torch.randint(0, 150000, (n,), generator=g).tolist() for n in (5, 9, 1, 14, 7)]
+    # the same image in rows 0, 1, 3 (and twice in one batch); another in 2; a text-only row
+    reqs = [_request(1, q[0]), _request(1, q[1]), _request(2, q[2], tiles=2), _request(1, q[3])]
+    reqs.append(Request(torch.tensor(SYSTEM + q[4])))
+    return reqs
+
+
+def _model():
+    model, cfg = random_model("tiny-6b-style", seed=0)
+    # a larger logit scale makes greedy margins wide, so the token comparison is meaningful
+    with torch.no_grad():
+        model.llm.lm_head.weight.mul_(20)
+    return model, cfg
+
+
+def test_batch_equals_each_alone():
+    model, cfg = _model()
+    eng = Engine(model, cfg, EngineConfig())
+    s = Sampling(max_new_tokens=4, ignore_eos=True)
+    reqs = _requests()
+    batched = eng.run_batch(reqs, s).output_ids
+    alone = [eng.run_batch([r], s).output_ids[0] for r in reqs]
+    assert batched == alone
+    assert all(len(o) == 4 for o in batched)
+
+
+def test_caches_equal_no_cache():
+    model, cfg = _model()
+    s = Sampling(max_new_tokens=4, ignore_eos=True)
+    reqs = _requests()
+    plain = Engine(model, cfg, EngineConfig()).run_batch(reqs, s)
+    cached = Engine(model, cfg, EngineConfig(image_cache=True, prefix_cache=True))
+    first = cached.run_batch(reqs, s)
+    again = cached.run_batch(reqs, s)  # everything now comes from the caches
+    assert first.output_ids == plain.output_ids == again.output_ids
+    assert again.stats["cache_hit_image"] == [True, True, True, True, False]
+    assert first.stats["cache_hit_image"] == [False, True, False, True, False]
+    p = 30 + 1 + 256
+    assert again.stats["cached_prefix_tokens"] == [p, p, 30 + 1 + 512, p, 0]
+    assert cached.counters["prefix_cache_hits"] == 8
+
+
+def test_prefix_cache_logits_close_to_full_prefill():
+    """Tokens equal is weak evidence; compare the first-token logits too."""
+    model, cfg = _model()
+    reqs = _requests()[:3]
+    plain = Engine(model, cfg, EngineConfig())
+    cached = Engine(model, cfg, EngineConfig(prefix_cache=True))
+    with torch.inference_mode():
+        feats, _ = plain.encode(reqs)
+        a, _ = plain._prefill([r.input_ids for r in reqs], feats, [0] * 3, None, extra=0)
+        ids, f2, plens, pref = cached._use_prefix_cache(reqs, feats)
+        b, _ = cached._prefill(ids, f2, plens, pref, extra=0)
+    assert all(p > 0 for p in plens)
+    torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+
+
+def test_eos_stops_unless_ignored():
+    model, cfg = _model()
+    eng = Engine(model, cfg, EngineConfig())
+    r = _requests()[:1]
+    free = eng.run_batch(r, Sampling(max_new_tokens=6, ignore_eos=True)).output_ids[0]
+    eng.eos = (free[1],)
+    stopped = eng.run_batch(r, Sampling(max_new_tokens=6)).output_ids[0]
+    assert stopped == free[:2]
+    assert eng.run_batch(r, Sampling(max_new_tokens=6, ignore_eos=True)).output_ids[0] == free
