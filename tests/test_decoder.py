@@ -172,7 +172,7 @@ def test_random_init_shards_like_full():
         return t[: t.shape[0] // 2] if t.dim() == 2 else t
 
     with torch.no_grad():
-        for n, p in part.named_parameters():
+        for p in part.parameters():
             if p.dim() == 2:
                 p.data = p.data[: p.shape[0] // 2].clone()
     init_random(part, 5, shard=half, full_shapes=shapes)
