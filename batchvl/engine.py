@@ -107,6 +107,13 @@ def packed_meta(lengths: list[int], prefix_lens: list[int], device) -> tuple[tor
         slot_pos=pos.to(device),
         prefix_lens=prefix_lens if any(prefix_lens) else None,
     )
+    if any(prefix_lens):  # keys = cached prefix + new tokens of each sequence
+        total = [p + n for p, n in zip(prefix_lens, lengths, strict=True)]
+        cu_k = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+        cu_k[1:] = torch.tensor(total).cumsum(0)
+        meta.cu_seqlens_k, meta.max_seqlen_k = cu_k.to(device), max(total)
+        meta.key_rows = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(total)).to(device)
+        meta.key_pos = torch.cat([torch.arange(t) for t in total]).to(device)
     return pos.to(device), meta
 
 
@@ -193,7 +200,7 @@ class Engine:
         cache = self._prefill(ids, feats, [0] * len(ids), None, extra=0)[1]
         for row, (key, t, _) in enumerate(items):
             p = t.shape[0]
-            self.prefix_cache[key] = (cache.k[:, row, :p].clone(), cache.v[:, row, :p].clone())
+            self.prefix_cache[key] = cache.prefix(row, p)
             while len(self.prefix_cache) > self.ecfg.prefix_cache_entries:
                 self.prefix_cache.popitem(last=False)
 
@@ -209,9 +216,7 @@ class Engine:
         if prefixes:
             for b, pk in enumerate(prefixes):
                 if pk is not None:
-                    k, v = pk
-                    cache.k[:, b, : k.shape[1]] = k
-                    cache.v[:, b, : v.shape[1]] = v
+                    cache.set_prefix(b, *pk)
         flat = torch.cat(ids).to(self.device, non_blocking=True)
         img = [f for f in feats if f is not None]
         h = self.model.embed(flat, torch.cat(img, 0) if img else None)

@@ -25,6 +25,11 @@ class AttnMeta:
     is_decode: bool = False
     kv_lens: torch.Tensor | None = None  # [B] int64, decode: valid cache length after this step
     prefix_lens: list[int] | None = None  # prefill: tokens already in the cache per sequence (prefix cache)
+    # prefill after a cached prefix: every key each sequence sees (prefix + new), packed
+    cu_seqlens_k: torch.Tensor | None = None  # [B+1] int32
+    max_seqlen_k: int = 0
+    key_rows: torch.Tensor | None = None  # [Tk] int64
+    key_pos: torch.Tensor | None = None  # [Tk] int64
 
 
 def _varlen_fn():
@@ -64,8 +69,8 @@ def prefill_sdpa(q, k, v, meta: AttnMeta, k_cache=None, v_cache=None) -> torch.T
         p = meta.prefix_lens[i] if meta.prefix_lens else 0
         if p:
             row = int(meta.slot_b[s])
-            kk = k_cache[row, : p + e - s]  # [prefix + new, Hkv, D]
-            vv = v_cache[row, : p + e - s]
+            kk = k_cache[row, :, : p + e - s].transpose(0, 1)  # [prefix + new, Hkv, D]
+            vv = v_cache[row, :, : p + e - s].transpose(0, 1)
             n = e - s
             # new token j sees cache positions <= p + j
             mask = torch.ones(n, p + n, dtype=torch.bool, device=q.device).tril(diagonal=p)
@@ -75,27 +80,33 @@ def prefill_sdpa(q, k, v, meta: AttnMeta, k_cache=None, v_cache=None) -> torch.T
     return torch.cat(outs, 0)
 
 
-def prefill_varlen(q, k, v, meta: AttnMeta) -> torch.Tensor:
-    """Flash varlen attention over the packed batch (CUDA)."""
-    cu = meta.cu_seqlens.to(torch.int32)
-    kw = {"is_causal": True}
+def prefill_varlen(q, k, v, meta: AttnMeta, k_cache=None, v_cache=None) -> torch.Tensor:
+    """Flash varlen attention over the packed batch (CUDA). After a cached prefix, the keys of each sequence
+    (prefix + new) are gathered from the cache; flash aligns the causal mask bottom-right, as needed."""
+    cu_q = meta.cu_seqlens.to(torch.int32)
+    cu_k, max_k = cu_q, meta.max_seqlen
+    if meta.key_rows is not None:
+        k, v = (
+            k_cache[meta.key_rows, :, meta.key_pos],
+            v_cache[meta.key_rows, :, meta.key_pos],
+        )  # [Tk, Hkv, D]
+        cu_k, max_k = meta.cu_seqlens_k, meta.max_seqlen_k
+    kw = {"window_size": (-1, 0)}  # causal, in torch 2.11 and 2.13 alike (2.11 has no is_causal)
     if "enable_gqa" in _VARLEN_PARAMS:
         kw["enable_gqa"] = True
     elif q.shape[1] != k.shape[1]:
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    return _VARLEN(q, k, v, cu, cu, meta.max_seqlen, meta.max_seqlen, **kw)
+    return _VARLEN(q, k, v, cu_q, cu_k, meta.max_seqlen, max_k, **kw)
 
 
 def decode_attention(q, k_cache, v_cache, kv_lens) -> torch.Tensor:
-    """q [B, H, D] against cache rows [B, S, Hkv, D], keys < kv_lens[b] valid -> [B, H, D]."""
-    s = k_cache.shape[1]
-    rep = q.shape[1] // k_cache.shape[2]
+    """q [B, H, D] against cache rows [B, Hkv, S, D], keys < kv_lens[b] valid -> [B, H, D].
+    GQA without copying the cache: the query heads of one kv head become SDPA's query-length axis."""
+    b, h, d = q.shape
+    hkv, s = k_cache.shape[1], k_cache.shape[2]
     mask = torch.arange(s, device=q.device)[None, :] < kv_lens[:, None]  # [B, S]
-    kk = k_cache.transpose(1, 2)  # [B, Hkv, S, D]
-    vv = v_cache.transpose(1, 2)
-    if rep > 1:
-        kk = kk.repeat_interleave(rep, dim=1)
-        vv = vv.repeat_interleave(rep, dim=1)
-    out = F.scaled_dot_product_attention(q[:, :, None], kk, vv, attn_mask=mask[:, None, None, :])
-    return out[:, :, 0]
+    out = F.scaled_dot_product_attention(
+        q.view(b, hkv, h // hkv, d), k_cache, v_cache, attn_mask=mask[:, None, None, :]
+    )  # [B, Hkv, rep, D]
+    return out.reshape(b, h, d)

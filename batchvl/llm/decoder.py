@@ -83,13 +83,12 @@ class Attention(nn.Module):
         if meta.is_decode:
             kc, vc = cache.layer(layer)
             o = decode_attention(q, kc, vc, meta.kv_lens)
-        elif meta.prefix_lens and any(meta.prefix_lens):
-            kc, vc = cache.layer(layer)
-            o = prefill_sdpa(q, k, v, meta, kc, vc)
-        elif self.backend == "varlen" or (self.backend == "auto" and varlen_available(x.device)):
-            o = prefill_varlen(q, k, v, meta)
         else:
-            o = prefill_sdpa(q, k, v, meta)
+            kc, vc = cache.layer(layer) if cache is not None else (None, None)
+            if self.backend == "varlen" or (self.backend == "auto" and varlen_available(x.device)):
+                o = prefill_varlen(q, k, v, meta, kc, vc)
+            else:
+                o = prefill_sdpa(q, k, v, meta, kc, vc)
         return self.o_proj(o.reshape(t, q_sz))
 
 

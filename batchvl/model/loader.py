@@ -175,8 +175,8 @@ def build_empty(cfg: InternVLConfig) -> InternVL:
 
 
 def _materialize(model: InternVL, device: torch.device, dtype: torch.dtype) -> None:
+    model.to(dtype)  # still on meta: allocate in the target dtype, not float32 first
     model.to_empty(device=device)
-    model.to(dtype)
     model.llm.rotary.reset(device)
     if model.cfg.llm.tie_word_embeddings:
         model.llm.lm_head.weight = model.llm.embed_tokens.weight

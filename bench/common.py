@@ -1,0 +1,131 @@
+"""Shared by the bench scripts: matmul ceiling, FLOP counts, a transformers model that shares our weights."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from batchvl.model.config import InternVLConfig, LLMConfig, VisionConfig
+
+
+def matmul_ceiling(device: str = "cuda", n: int = 8192) -> dict:
+    """bf16 n^3 matmul TFLOP/s two ways: CUDA events over 20 back-to-back runs, and triton do_bench's median."""
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    flop = 2 * n**3
+    for _ in range(5):
+        a @ b
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(20):
+        a @ b
+    e.record()
+    e.synchronize()
+    out = {"events_b2b": flop / (s.elapsed_time(e) / 20 * 1e-3) / 1e12}
+    from triton.testing import do_bench
+
+    ms = do_bench(lambda: a @ b, warmup=100, rep=500, return_mode="median")
+    out["do_bench_median"] = flop / (ms * 1e-3) / 1e12
+    return out
+
+
+def vit_flops_per_tile(v: VisionConfig, llm_hidden: int, ratio: float = 0.5) -> float:
+    """ViT (linears + attention) + projector FLOPs for one tile."""
+    n = v.num_patches + 1
+    c, i = v.hidden_size, v.intermediate_size
+    linear = 2 * n * (c * 3 * c + c * c + 2 * c * i) * v.num_layers
+    attn = 4 * n * n * c * v.num_layers
+    tokens = int(v.num_patches * ratio**2)
+    proj = 2 * tokens * (int(c / ratio**2) * llm_hidden + llm_hidden * llm_hidden)
+    return float(linear + attn + proj)
+
+
+def llm_linear_params(c: LLMConfig) -> int:
+    """Per-token GEMM parameters of the decoder layers (no embedding, no lm_head)."""
+    qkv = c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+    o = c.num_heads * c.head_dim * c.hidden_size
+    mlp = 3 * c.hidden_size * c.intermediate_size
+    return (qkv + o + mlp) * c.num_layers
+
+
+def llm_prefill_flops(c: LLMConfig, length: int, prefix: int = 0) -> float:
+    """Prefill FLOPs of `length` new tokens after `prefix` cached ones, with one lm_head row."""
+    linear = 2 * length * llm_linear_params(c)
+    # causal attention: QK^T and PV over the keys each new token sees
+    keys = length * prefix + length * (length + 1) / 2
+    attn = 4 * keys * c.num_heads * c.head_dim * c.num_layers
+    return float(linear + attn + 2 * c.hidden_size * c.vocab_size)
+
+
+def request_flops(cfg: InternVLConfig, tiles: int, length: int, new_tokens: int) -> float:
+    """Everything one uncached request costs: ViT on its tiles, prefill, decode steps."""
+    vit = tiles * vit_flops_per_tile(cfg.vision, cfg.llm.hidden_size, cfg.downsample_ratio)
+    dec = (new_tokens - 1) * 2 * (llm_linear_params(cfg.llm) + cfg.llm.hidden_size * cfg.llm.vocab_size)
+    return vit + llm_prefill_flops(cfg.llm, length) + dec
+
+
+def hf_config(cfg: InternVLConfig, attn: str = "sdpa"):
+    """The transformers InternVLConfig of the same shapes."""
+    from transformers import InternVLConfig as HFConfig
+
+    v, c = cfg.vision, cfg.llm
+    if c.arch != "qwen2":
+        raise ValueError("the transformers reference covers Qwen2 LLMs (InternLM2 is remote code only)")
+    hf = HFConfig(
+        vision_config=dict(hidden_size=v.hidden_size, num_hidden_layers=v.num_layers, num_attention_heads=v.num_heads,
+                           intermediate_size=v.intermediate_size, norm_type=v.norm_type,
+                           use_qk_norm=v.qk_normalization, attention_bias=v.qkv_bias, layer_norm_eps=v.layer_norm_eps,
+                           image_size=v.image_size, patch_size=v.patch_size),
+        text_config=dict(model_type="qwen2", vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+                         num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
+                         num_key_value_heads=c.num_kv_heads, intermediate_size=c.intermediate_size,
+                         rope_theta=c.rope_theta, rms_norm_eps=c.rms_norm_eps,
+                         max_position_embeddings=c.max_position_embeddings),
+        image_token_id=cfg.image_token_id, downsample_ratio=cfg.downsample_ratio,
+        tie_word_embeddings=c.tie_word_embeddings,
+    )  # fmt: skip
+    hf._attn_implementation = attn
+    hf.vision_config._attn_implementation = attn
+    hf.text_config._attn_implementation = attn
+    return hf
+
+
+def hf_sharing_weights(model, cfg: InternVLConfig, attn: str = "sdpa"):
+    """transformers' InternVLForConditionalGeneration whose parameters are views of ours (no extra memory)."""
+    from accelerate import init_empty_weights
+    from torch import nn
+    from transformers import InternVLForConditionalGeneration
+
+    from batchvl.model.loader import plan
+
+    dev = next(model.parameters()).device
+    with init_empty_weights(include_buffers=False), torch.device(dev):
+        hf = InternVLForConditionalGeneration(hf_config(cfg, attn))
+    shapes = {k: v.shape for k, v in hf.named_parameters()}
+    ours = dict(model.named_parameters())
+    for name, r in plan(model, set(shapes)).items():
+        t, start = ours[name].detach(), 0
+        for src in r.sources:
+            n = shapes[src][0] if r.combine == "cat" else t.shape[0]
+            mod, _, leaf = src.rpartition(".")
+            setattr(
+                hf.get_submodule(mod),
+                leaf,
+                nn.Parameter(t[start : start + n].view(shapes[src]), requires_grad=False),
+            )
+            start += n
+    if cfg.llm.tie_word_embeddings:
+        hf.lm_head.weight = hf.model.language_model.embed_tokens.weight
+    elif "lm_head.weight" not in dict(hf.named_parameters()) or hf.lm_head.weight.is_meta:
+        hf.lm_head.weight = nn.Parameter(model.llm.lm_head.weight.detach(), requires_grad=False)
+    left = [k for k, p in hf.named_parameters() if p.is_meta]
+    if left:
+        raise RuntimeError(f"transformers parameters left unset: {left[:5]}")
+    return hf.eval()
+
+
+def sync_time() -> float:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter()

@@ -1,0 +1,221 @@
+"""End-to-end prefill benchmark: the seed job (ShareGPT prompts + tiger.jpeg, 4 new tokens, ignore EOS) through
+batchvl's engine without and with caches, and through transformers' generate, on the same random weights.
+
+    python bench/e2e.py --preset internvl2_5-38b --n 500            # on one H200
+    python bench/e2e.py --smoke                                     # tiny, CPU, checks the script
+
+Requests are preprocessed before the clock starts (tiling + tokenization is CPU work the runner overlaps with the
+GPU); every request counts as submitted at t=0. MFU is against an 8192^3 bf16 matmul measured in this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import hf_sharing_weights, matmul_ceiling, request_flops, sync_time  # noqa: E402
+
+from batchvl.engine import Engine, EngineConfig, Request, Sampling  # noqa: E402
+from batchvl.model.loader import random_model  # noqa: E402
+from batchvl.output import format_summary, summarize  # noqa: E402
+from batchvl.preprocess import PreprocessConfig, Preprocessor  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def data_dir() -> Path:
+    for d in (ROOT / ".data", ROOT.parent / "shared" / "data"):
+        if (d / "tiger.jpeg").is_file():
+            return d
+    raise SystemExit("tiger.jpeg not found in .data/ or ../shared/data/")
+
+
+def sharegpt_prompts(n: int) -> list[str]:
+    rows = json.loads((data_dir() / "ShareGPT_V3_filtered_1000.json").read_text())
+    out = []
+    for r in rows:
+        turns = r.get("conversations") or []
+        human = next(
+            (t["value"] for t in turns if t.get("from") == "human" and t.get("value", "").strip()), None
+        )
+        if human:
+            out.append(human)
+        if len(out) == n:
+            break
+    return out
+
+
+def prepare(n: int, max_input_tokens: int) -> list:
+    pre = Preprocessor(PreprocessConfig(max_input_tokens=max_input_tokens, overlong="truncate"))
+    image = (data_dir() / "tiger.jpeg").read_bytes()
+    return [pre(p, image) for p in sharegpt_prompts(n)]
+
+
+def batches(prepared: list, budget: int) -> list[list[int]]:
+    out, cur, tok = [], [], 0
+    for i, p in enumerate(prepared):
+        n = len(p.input_ids)
+        if cur and tok + n > budget:
+            out.append(cur)
+            cur, tok = [], 0
+        cur.append(i)
+        tok += n
+    return out + ([cur] if cur else [])
+
+
+def run_engine(engine: Engine, prepared: list, budget: int, new_tokens: int) -> tuple[float, list[dict]]:
+    reqs = [Request(torch.tensor(p.input_ids), p.pixel_values, p.image_key) for p in prepared]
+    s = Sampling(max_new_tokens=new_tokens, ignore_eos=True)
+    rows = []
+    t0 = sync_time()
+    for bid, idx in enumerate(batches(prepared, budget)):
+        tb = time.perf_counter()
+        res = engine.run_batch([reqs[i] for i in idx], s)
+        for j, i in enumerate(idx):
+            p = prepared[i]
+            n = len(res.output_ids[j])
+            rows.append(dict(id=str(i), batch_id=bid, num_tiles=p.num_tiles, num_image_tokens=p.num_image_tokens,
+                             num_text_tokens=p.num_text_tokens, output_token_ids=res.output_ids[j],
+                             vit_ms=res.vit_ms, prefill_ms=res.prefill_ms, decode_ms=res.decode_ms,
+                             t_batch_start_s=tb - t0, t_first_token_s=res.first_token_s - t0, t_done_s=res.end_s - t0,
+                             ttft_ms=(res.first_token_s - t0) * 1e3, e2e_ms=(res.end_s - t0) * 1e3,
+                             tpot_ms=(res.end_s - res.first_token_s) * 1e3 / max(n - 1, 1),
+                             cache_hit_image=res.stats["cache_hit_image"][j],
+                             cached_prefix_tokens=res.stats["cached_prefix_tokens"][j]))  # fmt: skip
+    return sync_time() - t0, rows
+
+
+def run_hf(hf, prepared: list, batch: int, new_tokens: int, device) -> tuple[float, list[list[int]]]:
+    """Seconds for transformers' generate over `prepared` in left-padded batches, and its tokens."""
+    outs = []
+    t0 = sync_time()
+    for i in range(0, len(prepared), batch):
+        part = prepared[i : i + batch]
+        width = max(len(p.input_ids) for p in part)
+        ids = torch.zeros(len(part), width, dtype=torch.long)
+        mask = torch.zeros(len(part), width, dtype=torch.long)
+        for j, p in enumerate(part):
+            ids[j, width - len(p.input_ids) :] = torch.tensor(p.input_ids)
+            mask[j, width - len(p.input_ids) :] = 1
+        pv = torch.cat([p.pixel_values for p in part]).to(
+            device, torch.bfloat16 if device.type == "cuda" else None
+        )
+        with torch.inference_mode():
+            gen = hf.generate(input_ids=ids.to(device), attention_mask=mask.to(device), pixel_values=pv,
+                              max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)  # fmt: skip
+        outs += gen[:, width:].tolist()
+    return sync_time() - t0, outs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="internvl2_5-38b")
+    ap.add_argument("--n", type=int, default=500)
+    ap.add_argument("--new-tokens", type=int, default=4)
+    ap.add_argument("--budget", type=int, default=32768, help="max prefill tokens per batch")
+    ap.add_argument(
+        "--cache-budget", type=int, default=131072, help="max prompt tokens per batch with caches"
+    )
+    ap.add_argument("--max-vit-tiles", type=int, default=64)
+    ap.add_argument("--hf-n", type=int, default=32)
+    ap.add_argument("--hf-batches", default="4,16")
+    ap.add_argument("--modes", default="nocache,cache,hf")
+    ap.add_argument("--compile-vit", type=int, default=1)
+    ap.add_argument("--smoke", action="store_true", help="tiny model on CPU, a few requests")
+    a = ap.parse_args()
+    dev = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    if a.smoke:
+        a.preset, a.n, a.hf_n, a.hf_batches, a.budget, a.compile_vit = "tiny-qwen2", 6, 4, "2", 8192, 0
+    info = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+            "preset": a.preset, "n": a.n, "budget": a.budget}  # fmt: skip
+    print(json.dumps(info), flush=True)
+    ceiling = (
+        matmul_ceiling()
+        if dev.type == "cuda"
+        else {"events_b2b": float("nan"), "do_bench_median": float("nan")}
+    )
+    print("matmul ceiling TFLOP/s", ceiling, flush=True)
+
+    t = time.perf_counter()
+    prepared = prepare(a.n, 8192)
+    print(f"preprocessed {len(prepared)} requests in {time.perf_counter() - t:.1f}s; "
+          f"tiles {prepared[0].num_tiles}, mean input tokens "
+          f"{sum(len(p.input_ids) for p in prepared) / len(prepared):.0f}", flush=True)  # fmt: skip
+    t = time.perf_counter()
+    model, cfg = random_model(a.preset, dev, dtype, seed=0)
+    print(f"random {a.preset} weights drawn on {dev} in {time.perf_counter() - t:.1f}s", flush=True)
+    flops = sum(request_flops(cfg, p.num_tiles, len(p.input_ids), a.new_tokens) for p in prepared)
+    encode_fn = None
+    if a.compile_vit:
+        from batchvl.encoder.internvit_compiled import compile_encoder
+
+        encode_fn = compile_encoder(model.vision)
+    table, tokens = [], {}
+    for mode in a.modes.split(","):
+        if mode in ("nocache", "cache"):
+            ecfg = EngineConfig(max_prefill_tokens=a.budget, max_vit_tiles=a.max_vit_tiles,
+                                image_cache=mode == "cache", prefix_cache=mode == "cache")  # fmt: skip
+            eng = Engine(model, cfg, ecfg, dev, dtype, encode_fn=encode_fn)
+            run_engine(
+                eng, prepared[: max(2, len(prepared) // 50)], a.budget, a.new_tokens
+            )  # warm-up / compile
+            if dev.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            eng = Engine(model, cfg, ecfg, dev, dtype, encode_fn=encode_fn)  # fresh caches
+            secs, rows = run_engine(eng, prepared, a.budget, a.new_tokens)
+            import pyarrow as pa
+
+            from batchvl.output import ROW_SCHEMA
+
+            summ = summarize(pa.Table.from_pylist(rows, schema=ROW_SCHEMA), duration_s=secs)
+            print(f"\n--- batchvl {mode}\n" + format_summary(summ), flush=True)
+            table.append(dict(run=f"batchvl {mode}", req_s=len(prepared) / secs,
+                              in_tok_s=summ["input_token_throughput"],
+                              tflops=flops / secs / 1e12, peak_gib=_peak(dev), secs=secs))  # fmt: skip
+        elif mode == "hf":
+            hf = hf_sharing_weights(model, cfg)
+            sub = prepared[: a.hf_n]
+            sub_flops = sum(request_flops(cfg, p.num_tiles, len(p.input_ids), a.new_tokens) for p in sub)
+            for b in (int(x) for x in a.hf_batches.split(",")):
+                run_hf(hf, sub[:b], b, a.new_tokens, dev)  # warm-up
+                if dev.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats()
+                secs, hf_tokens = run_hf(hf, sub, b, a.new_tokens, dev)
+                for mine, toks in tokens.items():
+                    same = sum(x == y for p, q in zip(toks, hf_tokens) for x, y in zip(p, q))
+                    print(
+                        f"greedy tokens batchvl {mine} == transformers b={b}: {same}/{len(hf_tokens) * a.new_tokens}"
+                    )
+                in_tok = sum(len(p.input_ids) for p in sub)
+                table.append(dict(run=f"transformers generate b={b}", req_s=len(sub) / secs, in_tok_s=in_tok / secs,
+                                  tflops=sub_flops / secs / 1e12, peak_gib=_peak(dev), secs=secs))  # fmt: skip
+            del hf
+    best_hf = max((r["req_s"] for r in table if r["run"].startswith("transformers")), default=float("nan"))
+    ceil = ceiling["events_b2b"]
+    print(f"\nMFU vs {ceil:.0f} TFLOP/s (8192^3 bf16, CUDA events back-to-back); "
+          f"do_bench median ceiling {ceiling['do_bench_median']:.0f}")  # fmt: skip
+    print("| run | req/s | input tok/s | TFLOP/s | MFU | x transformers best | peak GiB |")
+    print("|---|---|---|---|---|---|---|")
+    for r in table:
+        print(f"| {r['run']} | {r['req_s']:.2f} | {r['in_tok_s']:.0f} | {r['tflops']:.0f} | "
+              f"{r['tflops'] / ceil:.2f} | {r['req_s'] / best_hf:.2f} | {r['peak_gib']:.1f} |")  # fmt: skip
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "e2e.json").write_text(
+            json.dumps({"info": info, "ceiling": ceiling, "rows": table})
+        )
+
+
+def _peak(dev) -> float:
+    return torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else float("nan")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,407 @@
+"""InternViT(+projector) throughput: ours eager/compiled vs transformers sdpa (eager/compiled), against the floor.
+
+    python bench/vit.py [--models 6b,300m] [--batches 16,64,128] [--skip-hf] [--quick] [--mode M]
+    python bench/vit.py --smoke          # CPU, tiny configs, 1-2 iterations, no triton
+
+Floor: the encoder's GEMMs (qkv, proj, fc1, fc2 per layer, times layers, plus the projector's two) at the
+exact shapes and SDPA alone (fastest of flash/cuDNN/efficient), each timed with triton.testing.do_bench
+(median). Matmul ceiling: one 8192^3 bf16 GEMM, do_bench median. Weights are random bf16 drawn on the GPU
+(normal std 0.02, norm weights ~1, layer scales ~0.1). Full JSON goes to $OUT/vit_bench.json when OUT is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from batchvl.encoder.internvit import VisionEncoder  # noqa: E402
+from batchvl.encoder.internvit_compiled import compile_encoder, sdpa_context  # noqa: E402
+from batchvl.encoder.split_overlap import vit_flops_per_tile  # noqa: E402
+from batchvl.model.config import InternVLConfig, from_preset  # noqa: E402
+
+# model name -> preset giving the vision tower and the projector's output width (the largest LLM it feeds)
+PRESET = {
+    "6b": "internvl2_5-26b",
+    "300m": "internvl2_5-8b",
+    "tiny-6b": "tiny-6b-style",
+    "tiny-300m": "tiny-qwen2",
+}
+
+# --------------------------------------------------------------------------- timing
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def bench_ms(fn, dev: torch.device) -> float:
+    """Median ms of fn: triton.testing.do_bench on GPU, a perf_counter loop on CPU."""
+    if dev.type == "cuda":
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    fn()
+    ts = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(ts)
+
+
+def time_calls(fn, px: torch.Tensor, target_s: float, max_iters: int) -> tuple[float, int]:
+    """Seconds per call after one warm call; as many calls as fit in target_s (at least 2)."""
+    dev = px.device
+    fn(px)
+    sync(dev)
+    t0 = time.perf_counter()
+    fn(px)
+    sync(dev)
+    first = time.perf_counter() - t0
+    n = max(2, min(max_iters, math.ceil(target_s / max(first, 1e-6))))
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn(px)
+    sync(dev)
+    return (time.perf_counter() - t0) / n, n
+
+
+def matmul_ceiling(dev: torch.device, dtype: torch.dtype) -> float:
+    """FLOP/s of one 8192^3 GEMM (do_bench median); small on CPU."""
+    n = 8192 if dev.type == "cuda" else 1024
+    a, b = torch.randn(n, n, device=dev, dtype=dtype), torch.randn(n, n, device=dev, dtype=dtype)
+    return 2 * n**3 / (bench_ms(lambda: a @ b, dev) * 1e-3)
+
+
+# --------------------------------------------------------------------------- models
+
+
+def random_encoder(
+    cfg: InternVLConfig, dev: torch.device, dtype: torch.dtype, seed: int = 0
+) -> VisionEncoder:
+    """Random weights drawn on the device: normal std 0.02, norm weights ~1, layer scales ~0.1."""
+    torch.manual_seed(seed)
+    with torch.device(dev):
+        enc = VisionEncoder(cfg).to(dtype).eval()
+    with torch.no_grad():
+        for name, p in enc.named_parameters():
+            if name.endswith(("ls1", "ls2")):
+                p.normal_(0.1, 0.01)
+            elif p.ndim == 1 and "norm" in name and name.endswith("weight"):
+                p.normal_(1.0, 0.02)
+            else:
+                p.normal_(0.0, 0.02)
+    enc.requires_grad_(False)
+    return enc
+
+
+def hf_model(enc: VisionEncoder, dev: torch.device, dtype: torch.dtype):
+    """transformers InternVLModel (sdpa; one tiny LLM layer) with the vision tower and projector copied from ours."""
+    import transformers
+
+    cfg, v = enc.cfg, enc.cfg.vision
+    vision = dict(hidden_size=v.hidden_size, num_hidden_layers=v.num_layers, num_attention_heads=v.num_heads,
+                  intermediate_size=v.intermediate_size, norm_type=v.norm_type, use_qk_norm=v.qk_normalization,
+                  attention_bias=v.qkv_bias, layer_norm_eps=v.layer_norm_eps, image_size=v.image_size,
+                  patch_size=v.patch_size, use_mean_pooling=True, model_type="internvl_vision")  # fmt: skip
+    text = dict(model_type="qwen2", hidden_size=cfg.llm.hidden_size, num_hidden_layers=1, vocab_size=256,
+                num_attention_heads=cfg.llm.num_heads, num_key_value_heads=cfg.llm.num_kv_heads,
+                intermediate_size=256)  # fmt: skip
+    hc = transformers.InternVLConfig(
+        vision_config=vision, text_config=text, downsample_ratio=cfg.downsample_ratio
+    )
+    for c in (hc, hc.vision_config, hc.text_config):
+        c._attn_implementation = "sdpa"
+    with torch.device(dev):
+        hf = transformers.InternVLModel(hc).to(dtype).eval()
+    hf.requires_grad_(False)
+    missing = set(hf.state_dict()) - set(ours_to_hf(enc.state_dict()))
+    assert all(k.startswith("language_model.") for k in missing), sorted(missing)[:5]
+    hf.load_state_dict(ours_to_hf(enc.state_dict()), strict=False)
+    return hf
+
+
+def ours_to_hf(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """VisionEncoder names -> transformers InternVLModel names (qkv split into q/k/v)."""
+    out = {}
+    for k, t in sd.items():
+        if k.startswith("projector."):
+            k = k.replace("projector.", "multi_modal_projector.").replace(".norm.", ".layer_norm.")
+            out[k.replace(".fc1.", ".linear_1.").replace(".fc2.", ".linear_2.")] = t
+        elif k.startswith("vit.layers."):
+            i, rest = k.removeprefix("vit.layers.").split(".", 1)
+            pre = f"vision_tower.encoder.layer.{i}."
+            if rest.startswith("attn.qkv."):
+                for name, part in zip("qkv", t.chunk(3), strict=True):
+                    out[pre + f"attention.{name}_proj." + rest.rsplit(".", 1)[1]] = part
+                continue
+            rest = (rest.replace("attn.proj", "attention.projection_layer").replace("attn.", "attention.")
+                    .replace("norm1", "layernorm_before").replace("norm2", "layernorm_after")
+                    .replace("ls1", "lambda_1").replace("ls2", "lambda_2"))  # fmt: skip
+            out[pre + rest] = t
+        else:
+            k = (k.replace("vit.", "vision_tower.", 1).replace("class_embedding", "cls_token")
+                 .replace("patch_embedding", "patch_embeddings.projection")
+                 .replace("position_embedding", "position_embeddings"))  # fmt: skip
+            out[k] = t
+    return out
+
+
+def hf_forward(hf):
+    def run(px: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            out = hf.get_image_features(px, vision_feature_layer=-1, vision_feature_select_strategy="default")
+        return out.pooler_output
+
+    return run
+
+
+def compile_hf_regional(hf, mode: str | None) -> None:
+    """torch.compile each vision layer and the projector in place (same code, compiled once per shape)."""
+    for layer in hf.vision_tower.encoder.layer:
+        layer.compile(mode=mode, dynamic=False)
+    hf.multi_modal_projector.compile(mode=mode, dynamic=False)
+
+
+# --------------------------------------------------------------------------- floor
+
+
+def floor_ms(cfg: InternVLConfig, tiles: int, dev: torch.device, dtype: torch.dtype) -> dict:
+    """GEMMs at the encoder's exact shapes and SDPA alone; returns per-part ms and the per-forward total."""
+    v = cfg.vision
+    T, C, ff, L = v.num_patches + 1, v.hidden_size, v.intermediate_size, v.num_layers
+    M, P, H = tiles * T, tiles * cfg.num_image_token, cfg.llm.hidden_size
+    gemms = {"qkv": (M, C, 3 * C), "proj": (M, C, C), "fc1": (M, C, ff), "fc2": (M, ff, C),
+             "mlp1_fc1": (P, cfg.projector_in, H), "mlp1_fc2": (P, H, H)}  # fmt: skip
+    out: dict = {}
+    for name, (m, k, n) in gemms.items():
+        a = torch.randn(m, k, device=dev, dtype=dtype)
+        w = torch.randn(n, k, device=dev, dtype=dtype)
+        out[name] = bench_ms(lambda a=a, w=w: F.linear(a, w), dev)
+        del a, w
+    q, k_, val = (torch.randn(tiles, v.num_heads, T, v.head_dim, device=dev, dtype=dtype) for _ in range(3))
+    attn = {}
+    for backend in ("flash", "cudnn", "efficient") if dev.type == "cuda" else ("auto",):
+        try:
+            with sdpa_context(backend, dev):
+                attn[backend] = bench_ms(lambda: F.scaled_dot_product_attention(q, k_, val), dev)
+        except RuntimeError as e:  # backend unavailable for this shape/dtype
+            attn[backend] = float("nan")
+            out.setdefault("attn_errors", {})[backend] = str(e).splitlines()[0][:120]
+    best = min((b for b in attn if not math.isnan(attn[b])), key=attn.get)
+    out.update(attn_by_backend=attn, attn_backend=best, attn=attn[best])
+    per_layer = sum(out[g] for g in ("qkv", "proj", "fc1", "fc2")) + out["attn"]
+    out["vit_ms"] = L * per_layer
+    out["total_ms"] = out["vit_ms"] + out["mlp1_fc1"] + out["mlp1_fc2"]
+    return out
+
+
+def model_flops(cfg: InternVLConfig) -> float:
+    """FLOPs per tile: ViT GEMMs + attention + patch embedding + projector."""
+    attn, mlp = vit_flops_per_tile(cfg.vision)
+    v = cfg.vision
+    patch = 2 * v.num_patches * 3 * v.patch_size**2 * v.hidden_size
+    proj = 2 * cfg.num_image_token * (cfg.projector_in + cfg.llm.hidden_size) * cfg.llm.hidden_size
+    return attn + mlp + patch + proj
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((x.float() - ref.float()).norm() / ref.float().norm())
+
+
+# --------------------------------------------------------------------------- one model
+
+
+def run_model(name: str, args, dev: torch.device, dtype: torch.dtype, ceiling: float) -> list[dict]:
+    cfg = from_preset(PRESET[name])
+    if args.smoke:
+        cfg.vision.image_size = 112
+    rows: list[dict] = []
+    enc = random_encoder(cfg, dev, dtype)
+    S = cfg.vision.image_size
+    flops = model_flops(cfg)
+    print(f"\n== {name}: {cfg.vision.num_layers} layers, C={cfg.vision.hidden_size}, heads={cfg.vision.num_heads}, "
+          f"{flops / 1e12:.3f} TFLOP/tile, projector -> {cfg.llm.hidden_size}", flush=True)  # fmt: skip
+
+    # correctness reference: fp32 eager on the same weights (TF32 off)
+    g = torch.Generator(device=dev).manual_seed(1)
+    n_ref = args.batches[0]  # the smallest benchmarked size: its first call is also its compile
+    px_ref = torch.randn(n_ref, 3, S, S, device=dev, generator=g)
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    enc32 = copy.deepcopy(enc).float()
+    with torch.no_grad():
+        ref = enc32(px_ref)
+    del enc32
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+
+    floors = {b: floor_ms(cfg, b, dev, dtype) for b in args.batches}
+    backend = floors[args.batches[0]]["attn_backend"] if args.attn_backend == "fastest" else args.attn_backend
+    print(
+        f"attention backend for ours: {backend}  (SDPA alone: {floors[args.batches[0]]['attn_by_backend']})"
+    )
+
+    variants: dict[str, object] = {"ours-eager": enc}
+    t0 = time.perf_counter()
+    ce = compile_encoder(enc, mode=args.mode, attn_backend=backend, max_tiles=max(args.batches))
+    ce.buckets = ce.stats.buckets = sorted(args.batches)  # exactly the benchmarked sizes: no padding
+    variants["ours-compiled"] = ce
+    hf = None
+    if not args.skip_hf:
+        hf = hf_model(enc, dev, dtype)
+        variants["hf-sdpa"] = hf_forward(hf)
+        hf_c = hf_model(enc, dev, dtype)
+        compile_hf_regional(hf_c, None if args.hf_mode == "default" else args.hf_mode)
+        variants["hf-sdpa-compiled"] = hf_forward(hf_c)
+    setup_s = time.perf_counter() - t0
+
+    errs, first_call = {}, {}  # first_call[(variant, tiles)]: seconds of the first call at that shape
+    with torch.no_grad():
+        for vname, fn in variants.items():
+            t1 = time.perf_counter()
+            out = fn(px_ref.to(dtype))
+            sync(dev)
+            first_call[vname, n_ref] = time.perf_counter() - t1
+            errs[vname] = rel_err(out, ref)
+            del out
+    print("rel. error vs fp32 eager: " + ", ".join(f"{k} {e:.2e}" for k, e in errs.items()), flush=True)
+
+    for b in args.batches:
+        fl = floors[b]
+        px = torch.randn(b, 3, S, S, device=dev, dtype=dtype)
+        base = {}
+        for vname, fn in variants.items():
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+                gc.collect()
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            mem0 = torch.cuda.memory_allocated() if dev.type == "cuda" else 0
+            if (vname, b) not in first_call:
+                t1 = time.perf_counter()
+                with torch.no_grad():
+                    fn(px)  # compiles on first sight of this shape
+                sync(dev)
+                first_call[vname, b] = time.perf_counter() - t1
+            with torch.no_grad():
+                sec, iters = time_calls(fn, px, args.target_s, args.max_iters)
+            peak = torch.cuda.max_memory_allocated() if dev.type == "cuda" else 0
+            tps = b / sec
+            base[vname] = tps
+            comp = first_call[vname, b] if "compiled" in vname else None  # includes one run
+            row = dict(model=name, tiles=b, variant=vname, tiles_per_s=tps, ms=sec * 1e3, iters=iters,
+                       floor_tiles_per_s=b / (fl["total_ms"] * 1e-3), floor_vit_tiles_per_s=b / (fl["vit_ms"] * 1e-3),
+                       x_floor=tps * fl["total_ms"] * 1e-3 / b, mfu=tps * flops / ceiling,
+                       peak_gib=peak / 2**30, act_peak_gib=(peak - mem0) / 2**30, compile_s=comp,
+                       rel_err=errs[vname], floor=fl, attn_backend=backend,
+                       mode=args.mode if vname == "ours-compiled" else args.hf_mode if vname == "hf-sdpa-compiled" else None)  # fmt: skip
+            rows.append(row)
+            print(f"{name:>6} {b:4d} {vname:>17}: {tps:8.2f} tiles/s  x{row['x_floor']:.3f} floor  "
+                  f"MFU {row['mfu']:.1%}  peak {row['peak_gib']:.1f} GiB", flush=True)  # fmt: skip
+        for r in rows[-len(variants) :]:
+            r["x_hf"] = r["tiles_per_s"] / base["hf-sdpa"] if "hf-sdpa" in base else None
+            r["x_hf_compiled"] = (
+                r["tiles_per_s"] / base["hf-sdpa-compiled"] if "hf-sdpa-compiled" in base else None
+            )
+        del px
+    print(f"compile: ours {ce.stats.summary()}; setup {setup_s:.1f}s", flush=True)
+    for r in rows:
+        r["compile_stats"] = dict(ce.stats.compile_s)
+    del variants, ce, hf, enc
+    torch._dynamo.reset()
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def table(rows: list[dict], ceiling: float) -> str:
+    def f(x, spec):
+        return "-" if x is None else format(x, spec)
+
+    out = [f"MFU vs measured matmul ceiling (one 8192^3 bf16 GEMM, do_bench median): {ceiling / 1e12:.4g} TFLOP/s",
+           "floor = do_bench medians of qkv/proj/fc1/fc2 GEMMs x layers + SDPA alone x layers + projector GEMMs",
+           "", "| model | tiles | variant | tiles/s | floor tiles/s | x floor | x HF | x HF-comp | MFU | peak GiB "
+           "| compile s | rel err |", "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for r in rows:
+        out.append(f"| {r['model']} | {r['tiles']} | {r['variant']} | {r['tiles_per_s']:.2f} | "
+                   f"{r['floor_tiles_per_s']:.2f} | {r['x_floor']:.3f} | {f(r.get('x_hf'), '.2f')} | "
+                   f"{f(r.get('x_hf_compiled'), '.2f')} | {r['mfu']:.1%} | {r['peak_gib']:.1f} | "
+                   f"{f(r['compile_s'], '.1f')} | {r['rel_err']:.1e} |")  # fmt: skip
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="6b,300m")
+    ap.add_argument("--batches", default="16,64,128")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument(
+        "--quick", action="store_true", help="batches 16,64; shorter timing; compile mode default"
+    )
+    ap.add_argument(
+        "--smoke", action="store_true", help="CPU-friendly: tiny configs, batch 2, 1-2 iterations"
+    )
+    ap.add_argument("--mode", default="max-autotune-no-cudagraphs", help="ours: torch.compile mode")
+    ap.add_argument(
+        "--hf-mode", default="max-autotune-no-cudagraphs", help="transformers: torch.compile mode"
+    )
+    ap.add_argument(
+        "--attn-backend", default="fastest", help="fastest (of the floor run), flash, cudnn, efficient"
+    )
+    ap.add_argument("--target-s", type=float, default=1.5, help="timed seconds per measurement")
+    ap.add_argument("--max-iters", type=int, default=20)
+    args = ap.parse_args()
+    dev = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    if args.smoke:
+        args.models = ",".join(f"tiny-{m}" if not m.startswith("tiny") else m for m in args.models.split(","))
+        args.batches, args.target_s, args.max_iters = "2", 0.0, 2
+        args.mode = args.hf_mode = "default"
+    elif dev.type != "cuda":
+        sys.exit("no GPU: run with --smoke on CPU")
+    if args.quick:
+        args.batches = "16,64" if args.batches == "16,64,128" else args.batches
+        args.target_s, args.mode, args.hf_mode = min(args.target_s, 0.7), "default", "default"
+    args.batches = sorted(int(b) for b in args.batches.split(","))
+    dtype = torch.bfloat16
+    ind = torch._inductor.config
+    ind.max_autotune_pointwise = False  # autotune GEMMs only: keeps compile time bounded
+    ind.coordinate_descent_tuning = False
+    t_start = time.perf_counter()
+    ceiling = matmul_ceiling(dev, dtype)
+    print(f"device {torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}; torch {torch.__version__}; "
+          f"matmul ceiling {ceiling / 1e12:.1f} TFLOP/s (8192^3 bf16, do_bench median)", flush=True)  # fmt: skip
+    rows = []
+    for name in args.models.split(","):
+        rows += run_model(name, args, dev, dtype, ceiling)
+    md = table(rows, ceiling)
+    print("\n" + md + f"\n\ntotal wall {time.perf_counter() - t_start:.0f}s")
+    if os.environ.get("OUT"):
+        meta = dict(device=str(dev), torch=torch.__version__, ceiling_flops=ceiling, args=vars(args),
+                    wall_s=time.perf_counter() - t_start)  # fmt: skip
+        if dev.type == "cuda":
+            meta["gpu"] = torch.cuda.get_device_name()
+        p = Path(os.environ["OUT"]) / "vit_bench.json"
+        p.write_text(json.dumps(dict(meta=meta, rows=rows, table=md), indent=1, default=str))
+        print(f"wrote {p}")
+
+
+if __name__ == "__main__":
+    main()
