@@ -163,14 +163,15 @@ def main() -> None:
         if mode in ("nocache", "cache"):
             ecfg = EngineConfig(max_prefill_tokens=a.budget, max_vit_tiles=a.max_vit_tiles,
                                 image_cache=mode == "cache", prefix_cache=mode == "cache")  # fmt: skip
+            budget = a.cache_budget if mode == "cache" else a.budget
             eng = Engine(model, cfg, ecfg, dev, dtype, encode_fn=encode_fn)
-            run_engine(
-                eng, prepared[: max(2, len(prepared) // 50)], a.budget, a.new_tokens
-            )  # warm-up / compile
+            warm = prepared[: max(2, len(prepared) // 50)]
+            run_engine(eng, warm, budget, a.new_tokens)  # warm-up / compile
             if dev.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             eng = Engine(model, cfg, ecfg, dev, dtype, encode_fn=encode_fn)  # fresh caches
-            secs, rows = run_engine(eng, prepared, a.budget, a.new_tokens)
+            secs, rows = run_engine(eng, prepared, budget, a.new_tokens)
+            tokens[mode] = [r["output_token_ids"] for r in rows]
             import pyarrow as pa
 
             from batchvl.output import ROW_SCHEMA
