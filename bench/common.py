@@ -129,3 +129,49 @@ def sync_time() -> float:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     return time.perf_counter()
+
+
+def hf_llm_sharing_weights(llm):
+    """transformers' Qwen2Model (Qwen2) or LlamaModel (InternLM2 is Llama once wqkv is unpacked) whose
+    parameters are views of our decoder's (no extra memory); returns the final-normed hidden states."""
+    from accelerate import init_empty_weights
+    from torch import nn
+    from transformers import LlamaConfig, LlamaModel, Qwen2Config, Qwen2Model
+
+    c = llm.cfg
+    kw = dict(vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_hidden_layers=c.num_layers,
+              num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
+              intermediate_size=c.intermediate_size, rope_theta=c.rope_theta, rms_norm_eps=c.rms_norm_eps,
+              max_position_embeddings=c.max_position_embeddings)  # fmt: skip
+    hcfg = Qwen2Config(**kw) if c.arch == "qwen2" else LlamaConfig(**kw, attention_bias=False, mlp_bias=False)
+    hcfg._attn_implementation = "sdpa"
+    dev = llm.embed_tokens.weight.device
+    with init_empty_weights(include_buffers=False), torch.device(dev):
+        hf = (Qwen2Model if c.arch == "qwen2" else LlamaModel)(hcfg)
+
+    def put(mod, leaf, t):
+        setattr(mod, leaf, nn.Parameter(t.detach(), requires_grad=False))
+
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    put(hf.embed_tokens, "weight", llm.embed_tokens.weight)
+    put(hf.norm, "weight", llm.norm.weight)
+    for ours, theirs in zip(llm.layers, hf.layers, strict=True):
+        a, m = ours.attn, ours.mlp
+        for name, sl in (
+            ("q_proj", slice(0, q)),
+            ("k_proj", slice(q, q + kv)),
+            ("v_proj", slice(q + kv, q + 2 * kv)),
+        ):
+            put(getattr(theirs.self_attn, name), "weight", a.qkv.weight[sl])
+            if a.qkv.bias is not None:
+                put(getattr(theirs.self_attn, name), "bias", a.qkv.bias[sl])
+        put(theirs.self_attn.o_proj, "weight", a.o_proj.weight)
+        put(theirs.mlp.gate_proj, "weight", m.gate_up.weight[: c.intermediate_size])
+        put(theirs.mlp.up_proj, "weight", m.gate_up.weight[c.intermediate_size :])
+        put(theirs.mlp.down_proj, "weight", m.down.weight)
+        put(theirs.input_layernorm, "weight", ours.input_norm.weight)
+        put(theirs.post_attention_layernorm, "weight", ours.post_attn_norm.weight)
+    left = [k for k, p in hf.named_parameters() if p.is_meta]
+    if left:
+        raise RuntimeError(f"transformers parameters left unset: {left[:5]}")
+    return hf.eval()

@@ -20,7 +20,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import hf_sharing_weights, matmul_ceiling, request_flops, sync_time  # noqa: E402
+from common import (  # noqa: E402
+    hf_sharing_weights,
+    llm_prefill_flops,
+    matmul_ceiling,
+    request_flops,
+    sync_time,
+    vit_flops_per_tile,
+)
 
 from batchvl.engine import Engine, EngineConfig, Request, Sampling  # noqa: E402
 from batchvl.model.loader import random_model  # noqa: E402
@@ -172,6 +179,17 @@ def main() -> None:
             eng = Engine(model, cfg, ecfg, dev, dtype, encode_fn=encode_fn)  # fresh caches
             secs, rows = run_engine(eng, prepared, budget, a.new_tokens)
             tokens[mode] = [r["output_token_ids"] for r in rows]
+            per_batch = {r["batch_id"]: r for r in rows}.values()
+            st = {k: sum(r[k] for r in per_batch) / 1e3 for k in ("vit_ms", "prefill_ms", "decode_ms")}
+            tiles = sum(p.num_tiles for p in prepared)
+            vit_tf = tiles * vit_flops_per_tile(cfg.vision, cfg.llm.hidden_size) / st["vit_ms"] / 1e12
+            llm_tf = (
+                sum(llm_prefill_flops(cfg.llm, len(p.input_ids)) for p in prepared) / st["prefill_ms"] / 1e12
+            )
+            print(f"stages ({len(per_batch)} batches): ViT {st['vit_ms']:.2f}s ({tiles / st['vit_ms']:.1f} tiles/s, "
+                  f"{vit_tf:.0f} TFLOP/s uncached-equivalent), prefill {st['prefill_ms']:.2f}s "
+                  f"({llm_tf:.0f} TFLOP/s uncached-equivalent), decode {st['decode_ms']:.2f}s, "
+                  f"other {secs - sum(st.values()):.2f}s", flush=True)  # fmt: skip
             import pyarrow as pa
 
             from batchvl.output import ROW_SCHEMA

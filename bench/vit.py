@@ -48,12 +48,12 @@ def sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
-def bench_ms(fn, dev: torch.device) -> float:
+def bench_ms(fn, dev: torch.device, warmup: int = 25, rep: int = 100) -> float:
     """Median ms of fn: triton.testing.do_bench on GPU, a perf_counter loop on CPU."""
     if dev.type == "cuda":
         from triton.testing import do_bench
 
-        return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+        return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
     fn()
     ts = []
     for _ in range(3):
@@ -64,18 +64,14 @@ def bench_ms(fn, dev: torch.device) -> float:
 
 
 def time_calls(fn, px: torch.Tensor, target_s: float, max_iters: int) -> tuple[float, int]:
-    """Seconds per call after one warm call; as many calls as fit in target_s (at least 2)."""
+    """Seconds per call (the caller has warmed fn up): at least 2 calls, more while under target_s."""
     dev = px.device
-    fn(px)
-    sync(dev)
-    t0 = time.perf_counter()
-    fn(px)
-    sync(dev)
-    first = time.perf_counter() - t0
-    n = max(2, min(max_iters, math.ceil(target_s / max(first, 1e-6))))
-    t0 = time.perf_counter()
-    for _ in range(n):
+    n, t0 = 0, time.perf_counter()
+    while n < 2 or (n < max_iters and time.perf_counter() - t0 < target_s):
         fn(px)
+        n += 1
+        if n == 1 or n % 4 == 0:
+            sync(dev)
     sync(dev)
     return (time.perf_counter() - t0) / n, n
 
@@ -84,7 +80,7 @@ def matmul_ceiling(dev: torch.device, dtype: torch.dtype) -> float:
     """FLOP/s of one 8192^3 GEMM (do_bench median); small on CPU."""
     n = 8192 if dev.type == "cuda" else 1024
     a, b = torch.randn(n, n, device=dev, dtype=dtype), torch.randn(n, n, device=dev, dtype=dtype)
-    return 2 * n**3 / (bench_ms(lambda: a @ b, dev) * 1e-3)
+    return 2 * n**3 / (bench_ms(lambda: a @ b, dev, warmup=100, rep=500) * 1e-3)  # as bench/common.py
 
 
 # --------------------------------------------------------------------------- models
@@ -132,6 +128,10 @@ def hf_model(enc: VisionEncoder, dev: torch.device, dtype: torch.dtype):
     missing = set(hf.state_dict()) - set(ours_to_hf(enc.state_dict()))
     assert all(k.startswith("language_model.") for k in missing), sorted(missing)[:5]
     hf.load_state_dict(ours_to_hf(enc.state_dict()), strict=False)
+    if hf.vision_tower.config._attn_implementation != "sdpa":
+        print(
+            f"warning: transformers vision attention is {hf.vision_tower.config._attn_implementation!r}, not sdpa"
+        )
     return hf
 
 
@@ -165,7 +165,7 @@ def hf_forward(hf):
     def run(px: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             out = hf.get_image_features(px, vision_feature_layer=-1, vision_feature_select_strategy="default")
-        return out.pooler_output
+        return out if isinstance(out, torch.Tensor) else out.pooler_output  # older transformers: a tensor
 
     return run
 
@@ -226,21 +226,36 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
 # --------------------------------------------------------------------------- one model
 
 
-def run_model(name: str, args, dev: torch.device, dtype: torch.dtype, ceiling: float) -> list[dict]:
+class Report:
+    """Rows plus metadata; rewritten to $OUT/vit_bench.json after every row, so a killed run keeps its rows."""
+
+    def __init__(self, meta: dict) -> None:
+        self.meta, self.rows = meta, []
+        self.path = Path(os.environ["OUT"]) / "vit_bench.json" if os.environ.get("OUT") else None
+
+    def add(self, row: dict) -> None:
+        self.rows.append(row)
+        self.dump()
+
+    def dump(self, md: str = "") -> None:
+        if self.path:
+            self.path.write_text(
+                json.dumps(dict(meta=self.meta, rows=self.rows, table=md), indent=1, default=str)
+            )
+
+
+def run_model(name: str, args, dev: torch.device, dtype: torch.dtype, ceiling: float, rep: Report) -> None:
     cfg = from_preset(PRESET[name])
     if args.smoke:
         cfg.vision.image_size = 112
-    rows: list[dict] = []
     enc = random_encoder(cfg, dev, dtype)
-    S = cfg.vision.image_size
-    flops = model_flops(cfg)
+    S, flops = cfg.vision.image_size, model_flops(cfg)
     print(f"\n== {name}: {cfg.vision.num_layers} layers, C={cfg.vision.hidden_size}, heads={cfg.vision.num_heads}, "
           f"{flops / 1e12:.3f} TFLOP/tile, projector -> {cfg.llm.hidden_size}", flush=True)  # fmt: skip
 
-    # correctness reference: fp32 eager on the same weights (TF32 off)
-    g = torch.Generator(device=dev).manual_seed(1)
-    n_ref = args.batches[0]  # the smallest benchmarked size: its first call is also its compile
-    px_ref = torch.randn(n_ref, 3, S, S, device=dev, generator=g)
+    # correctness reference: fp32 eager on the same weights (TF32 off), at the smallest benchmarked size
+    n_ref = args.batches[0]
+    px_ref = torch.randn(n_ref, 3, S, S, device=dev, generator=torch.Generator(device=dev).manual_seed(1))
     tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     enc32 = copy.deepcopy(enc).float()
@@ -248,33 +263,31 @@ def run_model(name: str, args, dev: torch.device, dtype: torch.dtype, ceiling: f
         ref = enc32(px_ref)
     del enc32
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
-    gc.collect()
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
+    free_memory(dev)
 
     floors = {b: floor_ms(cfg, b, dev, dtype) for b in args.batches}
-    backend = floors[args.batches[0]]["attn_backend"] if args.attn_backend == "fastest" else args.attn_backend
+    backend = floors[n_ref]["attn_backend"] if args.attn_backend == "fastest" else args.attn_backend
     print(
-        f"attention backend for ours: {backend}  (SDPA alone: {floors[args.batches[0]]['attn_by_backend']})"
+        f"attention backend for ours: {backend}  (SDPA alone, ms: {floors[n_ref]['attn_by_backend']})",
+        flush=True,
     )
 
-    variants: dict[str, object] = {"ours-eager": enc}
     t0 = time.perf_counter()
-    ce = compile_encoder(enc, mode=args.mode, attn_backend=backend, max_tiles=max(args.batches))
-    ce.buckets = ce.stats.buckets = sorted(args.batches)  # exactly the benchmarked sizes: no padding
-    variants["ours-compiled"] = ce
-    hf = None
+    buckets = [args.max_bucket] if args.max_bucket else list(args.batches)  # exact sizes: no padding
+    ce = compile_encoder(enc, mode=args.mode, buckets=buckets, attn_backend=backend)
+    variants: dict[str, object] = {"ours-eager": enc, "ours-compiled": ce}
     if not args.skip_hf:
-        hf = hf_model(enc, dev, dtype)
-        variants["hf-sdpa"] = hf_forward(hf)
+        variants["hf-sdpa"] = hf_forward(hf_model(enc, dev, dtype))
         hf_c = hf_model(enc, dev, dtype)
         compile_hf_regional(hf_c, None if args.hf_mode == "default" else args.hf_mode)
         variants["hf-sdpa-compiled"] = hf_forward(hf_c)
-    setup_s = time.perf_counter() - t0
+    print(f"setup {time.perf_counter() - t0:.1f}s", flush=True)
 
     errs, first_call = {}, {}  # first_call[(variant, tiles)]: seconds of the first call at that shape
     with torch.no_grad():
         for vname, fn in variants.items():
+            if vname == "hf-sdpa-compiled" and over_budget(args):
+                continue
             t1 = time.perf_counter()
             out = fn(px_ref.to(dtype))
             sync(dev)
@@ -286,50 +299,58 @@ def run_model(name: str, args, dev: torch.device, dtype: torch.dtype, ceiling: f
     for b in args.batches:
         fl = floors[b]
         px = torch.randn(b, 3, S, S, device=dev, dtype=dtype)
-        base = {}
+        base, rows = {}, []
         for vname, fn in variants.items():
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-                gc.collect()
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats()
+            if (vname, b) not in first_call and vname == "hf-sdpa-compiled" and over_budget(args):
+                print(
+                    f"{name:>6} {b:4d} {vname:>17}: skipped (over --budget-s {args.budget_s:.0f})", flush=True
+                )
+                continue
+            free_memory(dev)
             mem0 = torch.cuda.memory_allocated() if dev.type == "cuda" else 0
-            if (vname, b) not in first_call:
-                t1 = time.perf_counter()
-                with torch.no_grad():
-                    fn(px)  # compiles on first sight of this shape
-                sync(dev)
-                first_call[vname, b] = time.perf_counter() - t1
             with torch.no_grad():
+                t1 = time.perf_counter()
+                fn(px)  # warm-up; compiles on first sight of this shape
+                sync(dev)
+                first_call.setdefault((vname, b), time.perf_counter() - t1)
                 sec, iters = time_calls(fn, px, args.target_s, args.max_iters)
             peak = torch.cuda.max_memory_allocated() if dev.type == "cuda" else 0
-            tps = b / sec
-            base[vname] = tps
-            comp = first_call[vname, b] if "compiled" in vname else None  # includes one run
+            tps = base[vname] = b / sec
+            mode = {"ours-compiled": args.mode, "hf-sdpa-compiled": args.hf_mode}.get(vname)
             row = dict(model=name, tiles=b, variant=vname, tiles_per_s=tps, ms=sec * 1e3, iters=iters,
                        floor_tiles_per_s=b / (fl["total_ms"] * 1e-3), floor_vit_tiles_per_s=b / (fl["vit_ms"] * 1e-3),
                        x_floor=tps * fl["total_ms"] * 1e-3 / b, mfu=tps * flops / ceiling,
-                       peak_gib=peak / 2**30, act_peak_gib=(peak - mem0) / 2**30, compile_s=comp,
-                       rel_err=errs[vname], floor=fl, attn_backend=backend,
-                       mode=args.mode if vname == "ours-compiled" else args.hf_mode if vname == "hf-sdpa-compiled" else None)  # fmt: skip
+                       peak_gib=peak / 2**30, act_peak_gib=(peak - mem0) / 2**30,
+                       compile_s=first_call[vname, b] if mode else None,  # first call at this shape, one run included
+                       rel_err=errs.get(vname), floor=fl, attn_backend=backend, mode=mode,
+                       buckets=ce.buckets if vname == "ours-compiled" else None)  # fmt: skip
             rows.append(row)
             print(f"{name:>6} {b:4d} {vname:>17}: {tps:8.2f} tiles/s  x{row['x_floor']:.3f} floor  "
                   f"MFU {row['mfu']:.1%}  peak {row['peak_gib']:.1f} GiB", flush=True)  # fmt: skip
-        for r in rows[-len(variants) :]:
+        for r in rows:
             r["x_hf"] = r["tiles_per_s"] / base["hf-sdpa"] if "hf-sdpa" in base else None
             r["x_hf_compiled"] = (
                 r["tiles_per_s"] / base["hf-sdpa-compiled"] if "hf-sdpa-compiled" in base else None
             )
+            r["ours_compile_stats"] = dict(ce.stats.compile_s)
+            rep.add(r)
         del px
-    print(f"compile: ours {ce.stats.summary()}; setup {setup_s:.1f}s", flush=True)
-    for r in rows:
-        r["compile_stats"] = dict(ce.stats.compile_s)
-    del variants, ce, hf, enc
+    print(f"ours: {ce.stats.summary()}", flush=True)
+    del variants, ce, enc
     torch._dynamo.reset()
+    free_memory(dev)
+
+
+def over_budget(args) -> bool:
+    return time.perf_counter() - args.t_start > args.budget_s
+
+
+def free_memory(dev: torch.device) -> None:
     gc.collect()
     if dev.type == "cuda":
+        torch.cuda.synchronize()
         torch.cuda.empty_cache()
-    return rows
+        torch.cuda.reset_peak_memory_stats()
 
 
 def table(rows: list[dict], ceiling: float) -> str:
@@ -344,7 +365,7 @@ def table(rows: list[dict], ceiling: float) -> str:
         out.append(f"| {r['model']} | {r['tiles']} | {r['variant']} | {r['tiles_per_s']:.2f} | "
                    f"{r['floor_tiles_per_s']:.2f} | {r['x_floor']:.3f} | {f(r.get('x_hf'), '.2f')} | "
                    f"{f(r.get('x_hf_compiled'), '.2f')} | {r['mfu']:.1%} | {r['peak_gib']:.1f} | "
-                   f"{f(r['compile_s'], '.1f')} | {r['rel_err']:.1e} |")  # fmt: skip
+                   f"{f(r['compile_s'], '.1f')} | {f(r['rel_err'], '.1e')} |")  # fmt: skip
     return "\n".join(out)
 
 
@@ -364,43 +385,52 @@ def main() -> None:
         "--hf-mode", default="max-autotune-no-cudagraphs", help="transformers: torch.compile mode"
     )
     ap.add_argument(
+        "--max-bucket", type=int, default=0, help="ours: run tiles in chunks of this (0: exact sizes)"
+    )
+    ap.add_argument(
         "--attn-backend", default="fastest", help="fastest (of the floor run), flash, cudnn, efficient"
     )
-    ap.add_argument("--target-s", type=float, default=1.5, help="timed seconds per measurement")
+    ap.add_argument("--target-s", type=float, default=1.0, help="timed seconds per measurement (>= 2 calls)")
     ap.add_argument("--max-iters", type=int, default=20)
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=480,
+        help="after this many seconds, skip transformers compiles of new shapes",
+    )
     args = ap.parse_args()
+    args.t_start = time.perf_counter()
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     if args.smoke:
-        args.models = ",".join(f"tiny-{m}" if not m.startswith("tiny") else m for m in args.models.split(","))
+        args.models = ",".join(m if m.startswith("tiny") else f"tiny-{m}" for m in args.models.split(","))
         args.batches, args.target_s, args.max_iters = "2", 0.0, 2
         args.mode = args.hf_mode = "default"
     elif dev.type != "cuda":
         sys.exit("no GPU: run with --smoke on CPU")
     if args.quick:
         args.batches = "16,64" if args.batches == "16,64,128" else args.batches
-        args.target_s, args.mode, args.hf_mode = min(args.target_s, 0.7), "default", "default"
+        args.target_s, args.mode, args.hf_mode = min(args.target_s, 0.5), "default", "default"
     args.batches = sorted(int(b) for b in args.batches.split(","))
     dtype = torch.bfloat16
     ind = torch._inductor.config
-    ind.max_autotune_pointwise = False  # autotune GEMMs only: keeps compile time bounded
+    ind.max_autotune_pointwise = False  # autotune GEMMs only, with ATen convolutions: bounded compile time
     ind.coordinate_descent_tuning = False
-    t_start = time.perf_counter()
+    if hasattr(ind, "max_autotune_conv_backends"):
+        ind.max_autotune_conv_backends = "ATEN"
     ceiling = matmul_ceiling(dev, dtype)
-    print(f"device {torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}; torch {torch.__version__}; "
-          f"matmul ceiling {ceiling / 1e12:.1f} TFLOP/s (8192^3 bf16, do_bench median)", flush=True)  # fmt: skip
-    rows = []
+    gpu = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
+    print(f"device {gpu}; torch {torch.__version__}; matmul ceiling {ceiling / 1e12:.4g} TFLOP/s "
+          "(one 8192^3 bf16 GEMM, do_bench median)", flush=True)  # fmt: skip
+    rep = Report(dict(device=gpu, torch=torch.__version__, ceiling_flops=ceiling, args=vars(args)))
     for name in args.models.split(","):
-        rows += run_model(name, args, dev, dtype, ceiling)
-    md = table(rows, ceiling)
-    print("\n" + md + f"\n\ntotal wall {time.perf_counter() - t_start:.0f}s")
-    if os.environ.get("OUT"):
-        meta = dict(device=str(dev), torch=torch.__version__, ceiling_flops=ceiling, args=vars(args),
-                    wall_s=time.perf_counter() - t_start)  # fmt: skip
-        if dev.type == "cuda":
-            meta["gpu"] = torch.cuda.get_device_name()
-        p = Path(os.environ["OUT"]) / "vit_bench.json"
-        p.write_text(json.dumps(dict(meta=meta, rows=rows, table=md), indent=1, default=str))
-        print(f"wrote {p}")
+        run_model(name, args, dev, dtype, ceiling, rep)
+    md = table(rep.rows, ceiling)
+    wall = time.perf_counter() - args.t_start
+    print("\n" + md + f"\n\ntotal wall {wall:.0f}s")
+    rep.meta["wall_s"] = wall
+    rep.dump(md)
+    if rep.path:
+        print(f"wrote {rep.path}")
 
 
 if __name__ == "__main__":

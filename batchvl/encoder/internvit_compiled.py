@@ -1,0 +1,267 @@
+"""Fast InternViT forward: the eager modules and weights, regionally compiled one layer at a time.
+
+Same math as `internvit.py`; what differs is only where the graph boundaries lie:
+
+- one compiled graph per layer, shared by all layers (parameters are graph inputs, so 45 layers compile
+  once per tile-count bucket, not 45 times);
+- a layer's graph ends with the NEXT layer's norm1, so `ls2 * mlp + residual + norm1` is one Inductor
+  kernel, as is `ls1 * attn + residual + norm2` inside the layer;
+- qkv is one GEMM ([q; k; v] rows), the full-width q/k RMSNorm is a fused Inductor reduction over C;
+- SDPA runs under an explicit backend choice (flash / cuDNN / efficient) on GPU;
+- tile batches are padded up to a bucket so a long job compiles a handful of shapes, never one per count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from batchvl.encoder.internvit import (
+    InternViTEmbeddings,
+    InternViTLayer,
+    Projector,
+    VisionEncoder,
+    vit_to_tokens,
+)
+
+# --------------------------------------------------------------------------- the fast forward (eager-callable)
+
+
+def fast_embed(emb: InternViTEmbeddings, norm1: nn.Module, pixel_values: Tensor) -> tuple[Tensor, Tensor]:
+    """Embeddings and layer 0's norm1 in one graph: returns (x [B, 1+N, C], norm1(x))."""
+    x = emb(pixel_values)
+    return x, norm1(x)
+
+
+def fast_layer(
+    layer: InternViTLayer, x: Tensor, h: Tensor, next_norm: nn.Module | None
+) -> tuple[Tensor, Tensor]:
+    """`layer(x)` given h = layer.norm1(x); also returns next_norm(x_out) (x_out itself after the last layer)."""
+    x = x + layer.ls1 * layer.attn(h)  # one qkv GEMM, qk-norm over full C, SDPA, proj
+    x = x + layer.ls2 * layer.mlp(layer.norm2(x))
+    return x, (next_norm(x) if next_norm is not None else x)
+
+
+def fast_head(projector: Projector, x: Tensor, ratio: float) -> Tensor:
+    """Drop CLS, pixel shuffle, project: [B, 1+N, C] -> [B, N*r^2, H]."""
+    return projector(vit_to_tokens(x, ratio))
+
+
+def fast_forward(
+    enc: VisionEncoder,
+    pixel_values: Tensor,
+    embed: Callable = fast_embed,
+    layer_fn: Callable = fast_layer,
+    head: Callable = fast_head,
+) -> Tensor:
+    """The whole encoder through the fast pieces (pass compiled versions of them to run compiled)."""
+    layers = enc.vit.layers
+    x, h = embed(enc.vit.embeddings, layers[0].norm1, pixel_values)  # [B, 1+N, C] x2
+    for i, layer in enumerate(layers):
+        x, h = layer_fn(layer, x, h, layers[i + 1].norm1 if i + 1 < len(layers) else None)
+    return head(enc.projector, x, enc.cfg.downsample_ratio)  # [B, num_image_token, H]
+
+
+# --------------------------------------------------------------------------- SDPA backend
+
+
+def sdpa_context(
+    backend: str = "auto", device: torch.device | str = "cpu"
+) -> contextlib.AbstractContextManager:
+    """Prefer one SDPA backend ("flash" | "cudnn" | "efficient" | "math"); "auto" keeps torch's choice."""
+    if backend == "auto" or torch.device(device).type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    names = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+             "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}  # fmt: skip
+    first = names[backend]
+    if "set_priority" in inspect.signature(sdpa_kernel).parameters:
+        rest = [b for b in names.values() if b != first]
+        return sdpa_kernel([first, *rest], set_priority=True)  # falls back if `first` can't take the shape
+    return sdpa_kernel([first])
+
+
+# --------------------------------------------------------------------------- buckets and stats
+
+
+def default_buckets(max_tiles: int = 128) -> list[int]:
+    """1, 2, 4, 8, 16, then multiples of 16 up to max_tiles (padding waste <= 2x below 16, < 16 tiles above)."""
+    out = [b for b in (1, 2, 4, 8, 16) if b < max_tiles]
+    out += list(range(16, max_tiles + 1, 16)) if max_tiles >= 16 else []
+    return sorted(set(out + [max_tiles]))
+
+
+def bucket_for(n: int, buckets: list[int]) -> int:
+    """Smallest bucket >= n (n must not exceed the largest)."""
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"{n} tiles exceed the largest bucket {buckets[-1]}")
+
+
+@dataclass
+class CompileStats:
+    """What compilation cost, for the runner's log."""
+
+    mode: str = "default"
+    buckets: list[int] = field(default_factory=list)
+    # bucket -> seconds of its first (compiling) call, and the Dynamo graphs that call compiled
+    compile_s: dict[int, float] = field(default_factory=dict)
+    graphs: dict[int, int] = field(default_factory=dict)
+    calls: int = 0
+    tiles: int = 0
+    padded_tiles: int = 0  # dummy tiles computed for padding
+    caches: dict[str, object] = field(default_factory=dict)  # Inductor cache settings in effect
+
+    @property
+    def total_compile_s(self) -> float:
+        return sum(self.compile_s.values())
+
+    def summary(self) -> str:
+        per = ", ".join(f"{b}:{s:.1f}s" for b, s in sorted(self.compile_s.items()))
+        pad = self.padded_tiles / max(self.tiles, 1)
+        return f"vit compile {self.total_compile_s:.1f}s ({per}); {self.calls} calls, padding {pad:.1%}"
+
+
+def _graphs_compiled() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+_ENTRIES_NEEDED = (
+    0  # Dynamo cache entries that all CompiledEncoders of this process may create per code object
+)
+
+
+def _raise_recompile_limit(entries: int) -> None:
+    """Buckets (and encoders) recompile the same code objects: keep Dynamo's per-code limit above their sum."""
+    global _ENTRIES_NEEDED
+    _ENTRIES_NEEDED += entries
+    cfg = torch._dynamo.config
+    for name, need in (
+        ("recompile_limit", _ENTRIES_NEEDED),
+        ("accumulated_recompile_limit", 4 * _ENTRIES_NEEDED),
+    ):
+        old = name.replace("recompile_limit", "cache_size_limit")
+        attr = name if hasattr(cfg, name) else old  # renamed in torch 2.7-ish; both exist as aliases later
+        if hasattr(cfg, attr) and getattr(cfg, attr) < need:
+            setattr(cfg, attr, need)
+
+
+def _cache_settings(cache_dir: str | None) -> dict[str, object]:
+    if cache_dir:  # read lazily by Inductor, so this works as long as nothing has compiled yet
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.expanduser(cache_dir))
+    ind = torch._inductor.config
+    return {
+        "fx_graph_cache": getattr(ind, "fx_graph_cache", None),
+        "autograd_cache": getattr(torch._functorch.config, "enable_autograd_cache", None),
+        "cache_dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR", "(default)"),
+    }
+
+
+# --------------------------------------------------------------------------- the compiled encoder
+
+
+class CompiledEncoder:
+    """Callable tiles -> tokens: bucket-padded, per-layer compiled fast forward of one VisionEncoder."""
+
+    def __init__(
+        self,
+        enc: VisionEncoder,
+        mode: str = "default",
+        dynamic: bool = False,
+        max_tiles: int = 128,
+        buckets: list[int] | None = None,
+        attn_backend: str = "auto",
+        cache_dir: str | None = None,
+    ) -> None:
+        self.enc, self.dynamic, self.attn_backend = enc, dynamic, attn_backend
+        self.buckets = sorted(buckets) if buckets else default_buckets(max_tiles)
+        self.stats = CompileStats(mode=mode, buckets=self.buckets, caches=_cache_settings(cache_dir))
+        _raise_recompile_limit(2 * len(self.buckets))  # fast_layer: with/without next norm per bucket
+        opts = dict(mode=None if mode == "default" else mode, dynamic=dynamic, fullgraph=True)
+        self.embed = torch.compile(fast_embed, **opts)
+        self.layer = torch.compile(fast_layer, **opts)
+        self.head = torch.compile(fast_head, **opts)
+
+    def _run(self, px: Tensor) -> Tensor:
+        with torch.no_grad(), sdpa_context(self.attn_backend, px.device):
+            return fast_forward(self.enc, px, self.embed, self.layer, self.head)
+
+    def _chunks(self, n: int) -> Iterator[tuple[int, int]]:
+        """(start, size) pieces of at most the largest bucket."""
+        top = self.buckets[-1]
+        for s in range(0, n, top):
+            yield s, min(top, n - s)
+
+    def __call__(self, pixel_values: Tensor) -> Tensor:
+        """[tiles, 3, S, S] -> [tiles, num_image_token, llm_hidden]."""
+        n = pixel_values.shape[0]
+        self.stats.calls += 1
+        self.stats.tiles += n
+        if self.dynamic:
+            return self._run(pixel_values)
+        outs = []
+        for s, m in self._chunks(n):
+            b = bucket_for(m, self.buckets)
+            px = pixel_values[s : s + m]
+            if b > m:
+                px = F.pad(px, (0, 0, 0, 0, 0, 0, 0, b - m))  # zero tiles; tiles never interact
+                self.stats.padded_tiles += b - m
+            if b not in self.stats.compile_s:
+                g0, t0 = _graphs_compiled(), time.perf_counter()
+                out = self._run(px)
+                if out.is_cuda:
+                    torch.cuda.synchronize(out.device)
+                self.stats.compile_s[b] = time.perf_counter() - t0
+                self.stats.graphs[b] = _graphs_compiled() - g0
+            else:
+                out = self._run(px)
+            outs.append(out[:m])
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def warmup(self, sizes: list[int] | None = None) -> CompileStats:
+        """Compile the given buckets (all by default) up front with zero tiles."""
+        p = next(self.enc.parameters())
+        S = self.enc.cfg.vision.image_size
+        for b in sizes or self.buckets:
+            self(torch.zeros(b, 3, S, S, device=p.device, dtype=p.dtype))
+        return self.stats
+
+
+def compile_encoder(
+    enc: VisionEncoder,
+    mode: str = "default",
+    dynamic: bool = False,
+    max_tiles: int = 128,
+    buckets: list[int] | None = None,
+    attn_backend: str = "auto",
+    cache_dir: str | None = None,
+) -> CompiledEncoder:
+    """Compiled tiles -> tokens callable; mode "default" or "max-autotune-no-cudagraphs"; `.stats` for the log.
+
+    Tile counts are padded up to `buckets` (default: `default_buckets(max_tiles)`); larger calls run in chunks
+    of the largest bucket. `cache_dir` sets TORCHINDUCTOR_CACHE_DIR (if unset) for the FX/AOT/autotune caches.
+    """
+    return CompiledEncoder(enc, mode, dynamic, max_tiles, buckets, attn_backend, cache_dir)
+
+
+def padded_fraction(n: int, buckets: list[int]) -> float:
+    """Share of computed tiles that are padding for a call with n tiles."""
+    top = buckets[-1]
+    full, rest = divmod(n, top)
+    computed = full * top + (bucket_for(rest, buckets) if rest else 0)
+    return 1 - n / computed if computed else 0.0
+
+
+__all__ = ["CompileStats", "CompiledEncoder", "compile_encoder", "fast_forward", "fast_layer", "sdpa_context"]

@@ -1,0 +1,80 @@
+"""Fast (regionally compiled) InternViT forward vs the eager reference, fp32 on CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_internvit import build_pair
+
+from batchvl.encoder.internvit_compiled import (
+    bucket_for,
+    compile_encoder,
+    default_buckets,
+    fast_forward,
+    padded_fraction,
+)
+
+ATOL, RTOL = 1e-5, 1e-4
+
+
+def _graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def test_buckets() -> None:
+    assert default_buckets(128) == [1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 112, 128]
+    assert default_buckets(12) == [1, 2, 4, 8, 12]
+    b = default_buckets(64)
+    assert [bucket_for(n, b) for n in (1, 3, 5, 16, 17, 33, 64)] == [1, 4, 8, 16, 32, 48, 64]
+    with pytest.raises(ValueError):
+        bucket_for(65, b)
+    assert padded_fraction(16, b) == 0 and padded_fraction(131, b) == pytest.approx(1 - 131 / 132)
+
+
+@pytest.mark.parametrize("kind", ["6b", "300m"])
+def test_fast_forward_eager_equals_reference(kind: str) -> None:
+    """Uncompiled, the fast forward is the reference math with different graph boundaries."""
+    enc, _ = build_pair(kind)
+    px = torch.randn(3, 3, 112, 112)
+    with torch.no_grad():
+        torch.testing.assert_close(fast_forward(enc, px), enc(px), atol=0, rtol=0)
+
+
+@pytest.mark.slow
+def test_compiled_matches_eager_no_recompile_within_bucket() -> None:
+    """6B-style: tile counts 1..4 over buckets [2, 4] compile each bucket once, and match eager."""
+    enc, _ = build_pair("6b")
+    ce = compile_encoder(enc, buckets=[2, 4])
+    torch.manual_seed(1)
+    for n in (3, 4, 1, 2, 3):
+        px = torch.randn(n, 3, 112, 112)
+        g0 = _graphs()
+        got = ce(px)
+        new = _graphs() - g0
+        with torch.no_grad():
+            ref = enc(px)
+        assert got.shape == ref.shape
+        torch.testing.assert_close(got, ref, atol=ATOL, rtol=RTOL)
+        if n in (4, 2) or (n == 3 and ce.stats.calls > 1):
+            assert new == 0, f"{n} tiles recompiled {new} graphs in an already compiled bucket"
+    assert sorted(ce.stats.compile_s) == [2, 4]
+    # embed, layer (with next norm), last layer, head: 4 graphs per bucket, and no more
+    assert ce.stats.graphs == {4: 4, 2: 4}
+    assert ce.stats.padded_tiles == 1 + 1 + 1  # 3->4, 1->2, 3->4
+    assert "vit compile" in ce.stats.summary()
+    assert ce.stats.caches["fx_graph_cache"] is True
+
+
+@pytest.mark.slow
+def test_compiled_300m_chunks_over_largest_bucket() -> None:
+    """300M-style (LayerNorm, qkv bias): 9 tiles with one bucket of 4 run as 4+4+1(padded) with one compile."""
+    enc, _ = build_pair("300m")
+    ce = compile_encoder(enc, buckets=[4])
+    px = torch.randn(9, 3, 112, 112)
+    got = ce(px)
+    with torch.no_grad():
+        ref = enc(px)
+    torch.testing.assert_close(got, ref, atol=ATOL, rtol=RTOL)
+    assert list(ce.stats.compile_s) == [4] and ce.stats.padded_tiles == 3
