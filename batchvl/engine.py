@@ -139,14 +139,13 @@ class Engine:
             layer.attn.backend = self.ecfg.attn_backend
 
     # ---- ViT -------------------------------------------------------------------------------------------------
-    def _encode_tiles(self, tiles: torch.Tensor) -> torch.Tensor:
-        """[N, 3, S, S] (CPU) -> [N, 256, hidden] on device, in chunks of max_vit_tiles."""
-        out = []
-        for i in range(0, tiles.shape[0], self.ecfg.max_vit_tiles):
-            chunk = tiles[i : i + self.ecfg.max_vit_tiles]
-            chunk = chunk.pin_memory() if self.device.type == "cuda" else chunk
-            out.append(self.encode_fn(chunk.to(self.device, self.dtype, non_blocking=True)))
-        return torch.cat(out, 0)
+    def _encode_tiles(self, tiles: list[torch.Tensor]) -> torch.Tensor:
+        """Tiles of several requests (CPU) -> [N, 256, hidden] on device, in chunks of max_vit_tiles."""
+        px = torch.cat([t.to(self.device, non_blocking=True) for t in tiles]).to(
+            self.dtype
+        )  # cat on the device
+        step = self.ecfg.max_vit_tiles
+        return torch.cat([self.encode_fn(px[i : i + step]) for i in range(0, px.shape[0], step)])
 
     def encode(self, requests: list[Request]) -> tuple[list[torch.Tensor | None], list[bool]]:
         """Image features per request, [tiles*256, hidden] or None; and whether each came from the cache."""
@@ -170,7 +169,7 @@ class Engine:
         if todo:
             keys = list(todo)
             tiles = [requests[todo[k][0]].pixel_values for k in keys]
-            enc = self._encode_tiles(torch.cat(tiles, 0))
+            enc = self._encode_tiles(tiles)
             start = 0
             for k, t in zip(keys, tiles, strict=True):
                 f = enc[start : start + t.shape[0]].reshape(-1, enc.shape[-1])
