@@ -61,6 +61,7 @@ class EngineConfig:
     prefix_cache: bool = False
     prefix_cache_entries: int = 8
     compile_vit: bool = True
+    compile_llm: bool = False  # regional torch.compile of the decoder layers (dynamic token count)
     vit_mode: str = "auto"
     vit_splits: int = 2
     attn_backend: str = "auto"  # "auto" | "sdpa" | "varlen"
@@ -137,6 +138,8 @@ class Engine:
         self.counters = {"image_cache_hits": 0, "prefix_cache_hits": 0, "prefix_tokens_reused": 0}
         for layer in model.llm.layers:
             layer.attn.backend = self.ecfg.attn_backend
+            if self.ecfg.compile_llm and getattr(layer, "_compiled_call_impl", None) is None:
+                layer.compile(dynamic=True)  # one graph, reused by every layer (parameters are inputs)
 
     # ---- ViT -------------------------------------------------------------------------------------------------
     def _encode_tiles(self, tiles: list[torch.Tensor]) -> torch.Tensor:

@@ -133,7 +133,7 @@ def main() -> None:
     ap.add_argument("--max-vit-tiles", type=int, default=64)
     ap.add_argument("--hf-n", type=int, default=32)
     ap.add_argument("--hf-batches", default="4,16")
-    ap.add_argument("--modes", default="nocache,cache,hf")
+    ap.add_argument("--modes", default="nocache,cache,hf", help="nocache, cache, hf; +cllm compiles the LLM")
     ap.add_argument("--compile-vit", type=int, default=1)
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU, a few requests")
     a = ap.parse_args()
@@ -179,10 +179,11 @@ def main() -> None:
         )
     table, tokens = [], {}
     for mode in a.modes.split(","):
-        if mode in ("nocache", "cache"):
-            ecfg = EngineConfig(max_prefill_tokens=a.budget, max_vit_tiles=a.max_vit_tiles,
-                                image_cache=mode == "cache", prefix_cache=mode == "cache")  # fmt: skip
-            budget = a.cache_budget if mode == "cache" else a.budget
+        if mode.split("+")[0] in ("nocache", "cache"):
+            cached = mode.startswith("cache")
+            ecfg = EngineConfig(max_prefill_tokens=a.budget, max_vit_tiles=a.max_vit_tiles, image_cache=cached,
+                                prefix_cache=cached, compile_llm=mode.endswith("+cllm"))  # fmt: skip
+            budget = a.cache_budget if cached else a.budget
             eng = Engine(model, cfg, ecfg, dev, dtype, encode_fn=encode_fn)
             warm = prepared[: max(2, len(prepared) // 50)]
             run_engine(eng, warm, budget, a.new_tokens)  # warm-up / compile

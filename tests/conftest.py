@@ -103,3 +103,88 @@ def to_opengvlab(hf_dir: Path, out_dir: Path) -> Path:
         json.dumps({"<img>": 151665, "</img>": 151666, "<IMG_CONTEXT>": 151667})
     )
     return out_dir
+
+
+# ---------------------------------------------------------------- job / data / pipeline helpers
+
+
+class FakeEngine:
+    """Honours `Engine.run_batch`: output ids are a function of each request alone; records every batch.
+
+    `fail_if(request) -> bool` makes any batch holding such a request raise, as a failing engine would."""
+
+    def __init__(self, fail_if=None, max_new_tokens: int = 3):
+        self.fail_if = fail_if or (lambda r: False)
+        self.max_new_tokens = max_new_tokens
+        self.batches: list[dict] = []
+
+    def run_batch(self, requests, sampling):
+        import time
+
+        from batchvl.engine import BatchResult
+
+        tiles = sum(0 if r.pixel_values is None else int(r.pixel_values.shape[0]) for r in requests)
+        tokens = sum(len(r.input_ids) for r in requests)
+        self.batches.append({"n": len(requests), "tokens": tokens, "tiles": tiles})
+        if any(self.fail_if(r) for r in requests):
+            raise RuntimeError("fake engine failure")
+        time.sleep(0.002)
+        first = time.perf_counter()
+        time.sleep(0.002)
+        out = [[int(r.input_ids.sum()) % 1000 + k for k in range(sampling.max_new_tokens)] for r in requests]
+        stats = {"cache_hit_image": [False] * len(requests), "cached_prefix_tokens": [0] * len(requests)}
+        return BatchResult(out, 1.0, 2.0, 3.0, first, time.perf_counter(), stats)
+
+
+def save_image(path: Path, size=(64, 48), mode: str = "RGB", fmt: str = "PNG") -> Path:
+    """Write a small synthetic image in any PIL mode."""
+    from PIL import Image
+
+    img = Image.linear_gradient("L").resize(size).convert("RGB")
+    if mode == "P":
+        img = img.convert("P", palette=Image.Palette.ADAPTIVE, colors=8)
+    elif mode != "RGB":
+        img = img.convert(mode)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    img.save(path, format=fmt)
+    return path
+
+
+@pytest.fixture(scope="session")
+def bad_rows_jsonl(tmp_path_factory) -> Path:
+    """A jsonl job input mixing good rows (RGB, L, P, RGBA, CMYK, text-only) and bad ones; see BAD_ROWS."""
+    d = tmp_path_factory.mktemp("bad_rows")
+    save_image(d / "rgb.png")
+    save_image(d / "grey.png", mode="L")
+    save_image(d / "palette.png", mode="P")
+    save_image(d / "alpha.png", mode="RGBA")
+    save_image(d / "cmyk.jpg", mode="CMYK", fmt="JPEG")
+    save_image(d / "huge.png", size=(3000, 2000))  # over max_image_pixels=4_000_000 set by the tests
+    (d / "corrupt.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"garbage" * 20)
+    (d / "empty.jpg").write_bytes(b"")
+    rows = [
+        {"id": "rgb", "prompt": "What is this?", "image": "rgb.png"},
+        {"id": "grey", "prompt": "What is this?", "image": "grey.png"},
+        {"id": "palette", "prompt": "What is this?", "image": "palette.png"},
+        {"id": "alpha", "prompt": "What is this?", "image": "alpha.png"},
+        {"id": "cmyk", "prompt": "What is this?", "image": "cmyk.jpg"},
+        {"id": "text", "prompt": "Say hi."},
+        {"id": "corrupt", "prompt": "What is this?", "image": "corrupt.png"},
+        {"id": "zero-bytes", "prompt": "What is this?", "image": "empty.jpg"},
+        {"id": "missing", "prompt": "What is this?", "image": "no_such_file.png"},
+        {"id": "huge", "prompt": "What is this?", "image": "huge.png"},
+        {"id": "empty-prompt", "prompt": "  ", "image": "rgb.png"},
+        {"id": "overlong", "prompt": "word " * 3000, "image": "rgb.png"},  # over max_input_tokens=2048
+        {"id": "rgb", "prompt": "Again?", "image": "rgb.png"},  # duplicate id
+    ]
+    path = d / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+# id -> a substring of the expected error (None: the row succeeds)
+BAD_ROWS = {
+    "rgb": None, "grey": None, "palette": None, "alpha": None, "cmyk": None, "text": None,
+    "corrupt": "", "zero-bytes": "0 bytes", "missing": "not found", "huge": "too large",
+    "empty-prompt": "empty prompt", "overlong": "max_input_tokens",
+}  # fmt: skip

@@ -71,20 +71,23 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
         self.backend = "auto"  # "auto" | "sdpa" | "varlen"
 
-    def forward(self, x, cos, sin, meta: AttnMeta, cache: KVCache | None, layer: int) -> torch.Tensor:
+    def forward(
+        self, x, cos, sin, meta: AttnMeta, kv: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> torch.Tensor:
+        """x [T, hidden]; kv: this layer's cache (k, v), each [rows, kv_heads, max_len, head_dim], or None."""
         t = x.shape[0]
         q_sz, kv_sz = self.n_heads * self.head_dim, self.n_kv * self.head_dim
         q, k, v = self.qkv(x).split([q_sz, kv_sz, kv_sz], dim=-1)
         q = apply_rope(q.view(t, self.n_heads, self.head_dim), cos, sin)  # [T, heads, head_dim]
         k = apply_rope(k.view(t, self.n_kv, self.head_dim), cos, sin)  # [T, kv_heads, head_dim]
         v = v.view(t, self.n_kv, self.head_dim)
-        if cache is not None:
-            cache.write(layer, meta.slot_b, meta.slot_pos, k, v)
+        kc, vc = kv if kv is not None else (None, None)
+        if kv is not None:
+            kc[meta.slot_b, :, meta.slot_pos] = k
+            vc[meta.slot_b, :, meta.slot_pos] = v
         if meta.is_decode:
-            kc, vc = cache.layer(layer)
             o = decode_attention(q, kc, vc, meta.kv_lens)
         else:
-            kc, vc = cache.layer(layer) if cache is not None else (None, None)
             if self.backend == "varlen" or (self.backend == "auto" and varlen_available(x.device)):
                 o = prefill_varlen(q, k, v, meta, kc, vc)
             else:
@@ -111,8 +114,8 @@ class DecoderLayer(nn.Module):
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, meta, cache, layer):
-        x = x + self.attn(self.input_norm(x), cos, sin, meta, cache, layer)
+    def forward(self, x, cos, sin, meta, kv):
+        x = x + self.attn(self.input_norm(x), cos, sin, meta, kv)
         return x + self.mlp(self.post_attn_norm(x))
 
 
@@ -138,7 +141,7 @@ class Decoder(nn.Module):
             )
         cos, sin = self.rotary(pos)
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, meta, cache, i)
+            h = layer(h, cos, sin, meta, cache.layer(i) if cache is not None else None)
         return self.norm(h)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,212 @@
+"""Row sources (jsonl, sharegpt, parquet, imagefolder, hf, demo) and sharding across replicas.
+
+Rows are sharded by a hash of their id, so all occurrences of an id land on one replica and duplicates are found
+there. `limit` applies to the whole job's stream, before sharding.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import zlib
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from batchvl.job import DataSpec, JobError
+
+IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+CAPTION_PROMPT = "Describe this image in detail."
+HUMAN_ROLES = ("human", "user")
+
+
+@dataclass
+class SourceRow:
+    """One input row; `index` is its position in the job's stream, `error` set for rows that cannot run."""
+
+    index: int
+    id: str
+    prompt: str | None
+    image: Any = None  # absolute path, bytes, or None
+    error: str | None = None
+
+
+def shard_of(row_id: str, num_shards: int) -> int:
+    """The replica that owns `row_id` (stable across runs and machines)."""
+    return zlib.crc32(row_id.encode("utf-8")) % num_shards if num_shards > 1 else 0
+
+
+def iter_rows(spec: DataSpec, shard: int = 0, num_shards: int = 1) -> Iterator[SourceRow]:
+    """This shard's rows in stream order; repeated ids after the first become error rows."""
+    seen: set[str] = set()
+    for index, rec in enumerate(_limited(records(spec), spec.limit)):
+        rid = rec.get("id")
+        row_id = str(index) if rid is None or rid == "" else str(rid)
+        if shard_of(row_id, num_shards) != shard:
+            continue
+        error = rec.get("error")
+        if row_id in seen:
+            error = "duplicate id"
+        seen.add(row_id)
+        image = spec.image if spec.image is not None else rec.get("image")
+        prompt = rec.get("prompt")
+        if prompt is None and spec.prompt is not None:
+            prompt = spec.prompt
+        yield SourceRow(index, row_id, prompt, image, error)
+
+
+def _limited(it: Iterable[dict], limit: int | None) -> Iterator[dict]:
+    for i, rec in enumerate(it):
+        if limit is not None and i >= limit:
+            return
+        yield rec
+
+
+def records(spec: DataSpec) -> Iterator[dict]:
+    """Normalized records {id, prompt, image[, error]} of the whole source, in order."""
+    if spec.format == "demo":
+        from batchvl.demo import demo_rows
+
+        yield from demo_rows()
+        return
+    if spec.format == "imagefolder":
+        yield from _imagefolder(spec)
+        return
+    base = Path(spec.path) if Path(spec.path).is_dir() else Path(spec.path).parent
+    norm: Callable[[dict, DataSpec], dict] = _sharegpt if spec.format == "sharegpt" else _fields
+    for raw in open_dataset(spec):
+        rec = norm(raw, spec)
+        rec["image"] = _image(rec.get("image"), base)
+        yield rec
+
+
+def open_dataset(spec: DataSpec) -> Any:
+    """The source as a streaming `datasets.IterableDataset` (images left undecoded)."""
+    import datasets
+
+    if spec.format in ("jsonl", "sharegpt"):
+        ds = datasets.load_dataset("json", data_files=spec.path, split="train", streaming=True)
+    elif spec.format == "parquet":
+        ds = datasets.load_dataset(
+            "parquet", data_files=parquet_files(spec.path), split="train", streaming=True
+        )
+    elif spec.format == "hf":
+        ds = _open_hf(spec)
+    else:
+        raise ValueError(f"format {spec.format!r} is not a datasets source")
+    for name, feat in (ds.features or {}).items():
+        if isinstance(feat, datasets.Image):
+            ds = ds.cast_column(name, datasets.Image(decode=False))
+    return ds
+
+
+def _open_hf(spec: DataSpec) -> Any:
+    """A `save_to_disk` directory, a local dataset directory of data files, or a name in the local HF cache."""
+    import datasets
+
+    p = Path(spec.path)
+    if (p / "state.json").is_file() or (p / "dataset_dict.json").is_file():
+        ds = datasets.load_from_disk(str(p))
+        if isinstance(ds, datasets.DatasetDict):
+            if spec.split not in ds:
+                raise JobError(f"job.data.split: {spec.split!r} not in {spec.path} (has {', '.join(ds)})")
+            ds = ds[spec.split]
+        return ds.to_iterable_dataset()
+    if p.is_dir():
+        return datasets.load_dataset(str(p), split=spec.split, streaming=True)
+    offline = datasets.config.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = True  # a name: only what is already in the local cache, never the hub
+    try:
+        return datasets.load_dataset(spec.path, split=spec.split, streaming=True)
+    except Exception as e:
+        raise JobError(
+            f"job.data.path: {spec.path!r} is not a directory nor a dataset in the local cache ({e})"
+        ) from None
+    finally:
+        datasets.config.HF_HUB_OFFLINE = offline
+
+
+def check_source(spec: DataSpec) -> None:
+    """Open the source (reading no rows) so that a bad path or name fails before any model loads."""
+    if spec.format not in ("jsonl", "sharegpt", "parquet", "hf"):
+        return
+    try:
+        open_dataset(spec)
+    except JobError:
+        raise
+    except Exception as e:
+        raise JobError(
+            f"job.data.path: cannot open {spec.path} as {spec.format}: {type(e).__name__}: {e}"
+        ) from None
+
+
+def parquet_files(path: str) -> list[str]:
+    """A file, a directory (every *.parquet below it) or a glob, sorted."""
+    if Path(path).is_dir():
+        return sorted(str(p) for p in Path(path).rglob("*.parquet"))
+    return sorted(glob.glob(path)) if glob.has_magic(path) else [path]
+
+
+def _fields(raw: dict, spec: DataSpec) -> dict:
+    return {
+        "id": raw.get(spec.id_field),
+        "prompt": raw.get(spec.prompt_field),
+        "image": raw.get(spec.image_field),
+    }
+
+
+def _sharegpt(raw: dict, spec: DataSpec) -> dict:
+    """ShareGPT: the first human turn of `conversations` (or OpenAI-style role/content `messages`)."""
+    turns = raw.get("conversations") or raw.get("messages") or []
+    prompt = next(
+        (t.get("value", t.get("content")) for t in turns if (t.get("from") or t.get("role")) in HUMAN_ROLES),
+        None,
+    )
+    rec = {"id": raw.get(spec.id_field), "prompt": prompt, "image": raw.get(spec.image_field)}
+    if prompt is None:
+        rec["error"] = "no human turn in conversation"
+    return rec
+
+
+def _image(value: Any, base: Path) -> Any:
+    """A path made absolute against the data file's dir; bytes as they are; datasets dicts unpacked."""
+    if isinstance(value, dict):
+        value = value.get("bytes") or value.get("path")
+    if isinstance(value, list):  # several images per row are not supported: take the first
+        value = value[0] if value else None
+    if isinstance(value, str):
+        if not value.strip():
+            return None
+        return value if os.path.isabs(value) else str(base / value)
+    return value
+
+
+def _imagefolder(spec: DataSpec) -> Iterator[dict]:
+    """Every image file below the folder (sorted); id = path relative to the folder."""
+    root = Path(spec.path)
+    prompt = spec.prompt if spec.prompt is not None else CAPTION_PROMPT
+    files = sorted(p for p in root.rglob("*") if p.suffix.lower() in IMAGE_EXTS and p.is_file())
+    for p in files:
+        yield {"id": p.relative_to(root).as_posix(), "prompt": prompt, "image": str(p)}
+
+
+def count_rows(spec: DataSpec) -> int | None:
+    """The job's row count when cheaply known (limit counts as known), for progress and ETA."""
+    n: int | None = None
+    if spec.format == "demo":
+        from batchvl.demo import demo_rows
+
+        n = len(demo_rows())
+    elif spec.format == "imagefolder":
+        n = sum(1 for _ in _imagefolder(spec))
+    elif spec.format == "parquet":
+        import pyarrow.parquet as pq
+
+        n = sum(pq.ParquetFile(f).metadata.num_rows for f in parquet_files(spec.path))
+    elif spec.format == "jsonl":
+        with open(spec.path, "rb") as f:
+            n = sum(1 for line in f if line.strip())
+    if spec.limit is not None:
+        return spec.limit if n is None else min(n, spec.limit)
+    return n

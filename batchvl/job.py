@@ -1,0 +1,316 @@
+"""The job spec: dataclasses, YAML loading, `--set` overrides and validation that names the key.
+
+Relative paths in a job file (and in `--set` values) resolve against the current directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import glob
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union, get_args, get_origin, get_type_hints
+
+import yaml
+
+DATA_FORMATS = ("jsonl", "sharegpt", "parquet", "imagefolder", "hf", "demo")
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class JobError(ValueError):
+    """A job spec problem; the message starts with the key, e.g. `job.data.format: ...`."""
+
+
+@dataclass
+class ModelSpec:
+    """Which weights: a checkpoint directory (`path`) or a preset with random weights."""
+
+    path: str | None = None
+    preset: str | None = None
+    weights: str | None = None  # "checkpoint" (path) or "random" (preset); filled in by validation
+    seed: int = 0
+    tokenizer: str | None = None  # default: model.path, else the bundled Qwen tokenizer
+    dtype: str = "auto"
+    device: str = "auto"
+    trust_remote_code: bool = False
+    tp: int = 1
+
+
+@dataclass
+class DataSpec:
+    """Where rows come from; relative image paths resolve against the data file's directory."""
+
+    format: str = "jsonl"
+    path: str | None = None
+    image: str | None = None  # one image for every row
+    prompt: str | None = None  # prompt for rows without one (imagefolder default: a caption prompt)
+    limit: int | None = None
+    split: str = "train"  # format hf
+    id_field: str = "id"
+    prompt_field: str = "prompt"
+    image_field: str = "image"
+
+
+@dataclass
+class PreprocessSpec:
+    max_tiles: int = 12
+    min_tiles: int = 1
+    use_thumbnail: bool = True
+    max_input_tokens: int = 32768
+    overlong: str = "error"
+    max_image_pixels: int = 100_000_000
+    system_message: str | None = None
+    workers: int = 2
+    prefetch: int = 32  # prepared rows in flight ahead of the engine
+
+
+@dataclass
+class EngineSpec:
+    """Mirrors `batchvl.engine.EngineConfig`."""
+
+    max_prefill_tokens: int = 16384
+    max_vit_tiles: int = 64
+    image_cache: bool = False
+    prefix_cache: bool = False
+    compile_vit: bool = True
+    vit_mode: str = "auto"
+    vit_splits: int = 2
+
+
+@dataclass
+class GenerationSpec:
+    max_new_tokens: int = 4
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = field(default_factory=list)  # added to the template's stop tokens
+
+
+@dataclass
+class OutputSpec:
+    dir: str | None = None
+    rows_per_part: int = 1000
+    overwrite: bool = False
+
+
+@dataclass
+class Job:
+    model: ModelSpec = field(default_factory=ModelSpec)
+    data: DataSpec = field(default_factory=DataSpec)
+    preprocess: PreprocessSpec = field(default_factory=PreprocessSpec)
+    engine: EngineSpec = field(default_factory=EngineSpec)
+    generation: GenerationSpec = field(default_factory=GenerationSpec)
+    output: OutputSpec = field(default_factory=OutputSpec)
+
+
+def load_job(
+    path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), **extra: Any
+) -> Job:
+    """Read a YAML job file, apply `key.sub=value` overrides, validate; `extra` sets dotted keys too."""
+    raw: Any = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise JobError(f"job file {path}: not found")
+        try:
+            raw = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise JobError(f"job file {path}: invalid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise JobError(f"job file {path}: expected a mapping at the top level, got {type(raw).__name__}")
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise JobError(f"--set {item!r}: expected KEY=VALUE, e.g. output.dir=runs/x")
+        set_key(raw, key.strip(), parse_scalar(value))
+    for key, value in extra.items():
+        set_key(raw, key, value)
+    return job_from_dict(raw)
+
+
+def parse_scalar(text: str) -> Any:
+    """A `--set` value with YAML scalar rules (`10` int, `true` bool, `null` None, else str)."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def set_key(d: dict, dotted: str, value: Any) -> None:
+    """Set `a.b.c` in nested dicts, creating sections as needed."""
+    *parents, last = dotted.split(".")
+    cur = d
+    for i, part in enumerate(parents):
+        nxt = cur.get(part)
+        if nxt is None:
+            nxt = cur[part] = {}
+        if not isinstance(nxt, dict):
+            raise JobError(f"job.{'.'.join(parents[: i + 1])}: is not a section, cannot set {dotted}")
+        cur = nxt
+    cur[last] = value
+
+
+def job_from_dict(raw: dict) -> Job:
+    """Build and validate a Job; every error names its key."""
+    job = _build(Job, raw, "job")
+    _validate(job)
+    return job
+
+
+def job_to_dict(job: Job) -> dict:
+    return dataclasses.asdict(job)
+
+
+def job_for_fingerprint(job: Job) -> dict:
+    """The job dict minus settings that cannot change results (overwrite, worker counts)."""
+    d = job_to_dict(job)
+    d["output"].pop("overwrite", None)
+    d["preprocess"].pop("workers", None)
+    d["preprocess"].pop("prefetch", None)
+    return d
+
+
+def _build(cls: type, raw: Any, key: str) -> Any:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise JobError(f"{key}: expected a mapping, got {type(raw).__name__} {raw!r}")
+    hints = get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for k, v in raw.items():
+        if k not in names:
+            close = difflib.get_close_matches(str(k), names, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(names)})"
+            raise JobError(f"{key}.{k}: unknown key{hint}")
+        tp = hints[k]
+        sub = f"{key}.{k}"
+        kwargs[k] = _build(tp, v, sub) if dataclasses.is_dataclass(tp) else _coerce(v, tp, sub)
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    origin = get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = [a for a in get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _coerce(value, args[0], key)
+    if origin is list:
+        if not isinstance(value, list):
+            raise JobError(f"{key}: expected a list, got {type(value).__name__} {value!r}")
+        return [_coerce(v, get_args(tp)[0], f"{key}[{i}]") for i, v in enumerate(value)]
+    ok = {
+        bool: isinstance(value, bool),
+        int: isinstance(value, int) and not isinstance(value, bool),
+        float: isinstance(value, (int, float)) and not isinstance(value, bool),
+        str: isinstance(value, str),
+    }[tp]
+    if not ok:
+        want = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[tp]
+        raise JobError(f"{key}: expected {want}, got {type(value).__name__} {value!r}")
+    return float(value) if tp is float else value
+
+
+def _choice(value: str, choices: tuple[str, ...], key: str) -> None:
+    if value not in choices:
+        close = difflib.get_close_matches(value, choices, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise JobError(f"{key}: {value!r} is not one of {', '.join(choices)}{hint}")
+
+
+def _at_least(value: int | float | None, low: float, key: str) -> None:
+    if value is not None and value < low:
+        raise JobError(f"{key}: must be >= {low:g}, got {value!r}")
+
+
+def _abs(p: str) -> str:
+    return str(Path(p).expanduser().absolute())
+
+
+def _validate(job: Job) -> None:
+    """Check choices, ranges and that files exist; make paths absolute."""
+    m, d, pp, e, g, o = job.model, job.data, job.preprocess, job.engine, job.generation, job.output
+    if (m.path is None) == (m.preset is None):
+        raise JobError("job.model: set exactly one of 'path' (a checkpoint) or 'preset' (random weights)")
+    if m.preset is not None:
+        m.weights = m.weights or "random"
+        if m.weights != "random":
+            raise JobError(
+                f"job.model.weights: a preset has only random weights (weights: random), got {m.weights!r}"
+            )
+        from batchvl.model.config import PRESETS
+
+        _choice(m.preset, tuple(PRESETS), "job.model.preset")
+    else:
+        m.weights = m.weights or "checkpoint"
+        _choice(m.weights, ("checkpoint",), "job.model.weights")
+        m.path = _abs(m.path)
+        if not Path(m.path).is_dir():
+            raise JobError(f"job.model.path: {m.path} is not a directory")
+        if not (Path(m.path) / "config.json").is_file():
+            raise JobError(f"job.model.path: no config.json in {m.path}")
+    if m.tokenizer is not None:
+        m.tokenizer = _abs(m.tokenizer)
+        if not Path(m.tokenizer).exists():
+            raise JobError(f"job.model.tokenizer: {m.tokenizer} does not exist")
+    _choice(m.dtype, DTYPES, "job.model.dtype")
+    _choice(m.device, DEVICES, "job.model.device")
+    _at_least(m.tp, 1, "job.model.tp")
+
+    _choice(d.format, DATA_FORMATS, "job.data.format")
+    if d.format == "demo":
+        if d.path is not None:
+            raise JobError("job.data.path: format 'demo' generates its rows; remove data.path")
+    elif d.path is None:
+        raise JobError(f"job.data.path: required for format {d.format!r}")
+    else:
+        d.path = _check_data_path(d.format, d.path)
+    if d.image is not None:
+        d.image = _abs(d.image)
+        if not Path(d.image).is_file():
+            raise JobError(f"job.data.image: {d.image} is not a file")
+    _at_least(d.limit, 0, "job.data.limit")
+
+    for k in ("max_tiles", "min_tiles", "max_input_tokens", "max_image_pixels", "prefetch"):
+        _at_least(getattr(pp, k), 1, f"job.preprocess.{k}")
+    if pp.min_tiles > pp.max_tiles:
+        raise JobError(f"job.preprocess.min_tiles: {pp.min_tiles} > max_tiles {pp.max_tiles}")
+    _choice(pp.overlong, ("error", "truncate"), "job.preprocess.overlong")
+    _at_least(pp.workers, 0, "job.preprocess.workers")
+    for k in ("max_prefill_tokens", "max_vit_tiles", "vit_splits"):
+        _at_least(getattr(e, k), 1, f"job.engine.{k}")
+    _at_least(g.max_new_tokens, 1, "job.generation.max_new_tokens")
+    _at_least(g.temperature, 0, "job.generation.temperature")
+    if not 0 < g.top_p <= 1:
+        raise JobError(f"job.generation.top_p: must be in (0, 1], got {g.top_p!r}")
+    if o.dir is None:
+        raise JobError("job.output.dir: required (where the Parquet parts go)")
+    o.dir = _abs(o.dir)
+    if Path(o.dir).exists() and not Path(o.dir).is_dir():
+        raise JobError(f"job.output.dir: {o.dir} exists and is not a directory")
+    _at_least(o.rows_per_part, 1, "job.output.rows_per_part")
+
+
+def _check_data_path(fmt: str, path: str) -> str:
+    key = "job.data.path"
+    if fmt == "parquet" and glob.has_magic(path):
+        if not glob.glob(path):
+            raise JobError(f"{key}: no file matches {path}")
+        return path
+    p = Path(_abs(path))
+    if fmt in ("jsonl", "sharegpt") and not p.is_file():
+        raise JobError(f"{key}: {p} is not a file")
+    if fmt == "hf" and not p.is_dir():
+        if path.startswith((".", "/", "~")) or path.count("/") > 1:
+            raise JobError(f"{key}: {p} is not a directory")
+        return path  # a dataset name: looked up in the local HF cache only
+    if fmt == "imagefolder" and not p.is_dir():
+        raise JobError(f"{key}: {p} is not a directory")
+    if fmt == "parquet" and not p.exists():
+        raise JobError(f"{key}: {p} does not exist")
+    return str(p)

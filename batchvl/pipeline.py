@@ -1,0 +1,397 @@
+"""The flow: source rows -> preprocess workers -> batcher (token + tile budgets) -> engine -> Parquet writer.
+
+Every row carries its own clock (perf_counter, shared by the processes of one host); errors travel as rows.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import multiprocessing as mp
+import os
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from batchvl.data import SourceRow
+from batchvl.preprocess import Prepared, PreprocessError
+
+if TYPE_CHECKING:  # the engine pulls in the model code: preprocess workers never import it
+    from tqdm import tqdm
+
+    from batchvl.engine import Sampling
+    from batchvl.output import PartWriter
+
+log = logging.getLogger(__name__)
+# test hook: os._exit(17) once this many rows were handed to the writer (a crash mid-job)
+EXIT_AFTER_ENV = "BATCHVL_EXIT_AFTER_ROWS"
+
+
+@dataclass
+class Item:
+    """A row on its way through the pipeline, with its clock."""
+
+    row: SourceRow
+    t_read: float
+    t_start: float | None = None  # preprocessing began
+    t_prepared: float | None = None
+    prepared: Prepared | None = None
+    error: str | None = None
+
+
+# ---------------------------------------------------------------- preprocessing
+
+_WORKER_PRE: Callable | None = None
+
+
+def _init_worker(pre: Callable) -> None:
+    """Pool initializer: keep this worker's Preprocessor (its tokenizer loads once, on first use)."""
+    global _WORKER_PRE
+    torch.set_num_threads(1)
+    _WORKER_PRE = pre
+
+
+def _warm() -> None:
+    """Load the worker's tokenizer before the first row arrives."""
+    _WORKER_PRE("warm up", None)
+
+
+def prepare_one(pre: Callable, prompt: Any, image: Any) -> tuple[Prepared | None, str | None, float, float]:
+    """(prepared, error, t_start, t_end); pixel_values travel as numpy between processes."""
+    t0 = time.perf_counter()
+    try:
+        out, err = pre(prompt, image), None
+    except PreprocessError as e:
+        out, err = None, str(e)
+    except Exception as e:  # a bug or an unexpected decoder failure: still only this row fails
+        out, err = None, f"preprocess: {type(e).__name__}: {e}"
+    return out, err, t0, time.perf_counter()
+
+
+def _prepare_in_worker(prompt: Any, image: Any) -> tuple[Prepared | None, str | None, float, float]:
+    out, err, t0, t1 = prepare_one(_WORKER_PRE, prompt, image)
+    if out is not None and isinstance(out.pixel_values, torch.Tensor):
+        out.pixel_values = out.pixel_values.numpy()
+    return out, err, t0, t1
+
+
+class Preparer:
+    """Prepares rows in source order: a spawn process pool with bounded in-flight work, or in-process (workers=0)."""
+
+    def __init__(self, pre: Callable, workers: int, max_in_flight: int) -> None:
+        self.pre, self.workers, self.max_in_flight = pre, workers, max(1, max_in_flight)
+        self.queue: deque[tuple[Item, Future | None]] = deque()
+        self.pool: ProcessPoolExecutor | None = None
+        if workers:
+            self._start()
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")  # never fork a process that holds CUDA or process groups
+        self.pool = ProcessPoolExecutor(self.workers, ctx, initializer=_init_worker, initargs=(self.pre,))
+        self.warming = [self.pool.submit(_warm) for _ in range(self.workers)]
+
+    def wait_warm(self) -> None:
+        """Block until the workers have started and loaded their tokenizers (before the job clock starts)."""
+        if self.pool is not None:
+            concurrent.futures.wait(self.warming)
+
+    def has_room(self) -> bool:
+        return len(self.queue) < (self.max_in_flight if self.pool else 1)
+
+    def __len__(self) -> int:
+        return len(self.queue)
+
+    def submit(self, item: Item) -> None:
+        if self.pool is None:
+            self._finish(item, prepare_one(self.pre, item.row.prompt, item.row.image))
+            self.queue.append((item, None))
+        else:
+            self.queue.append((item, self.pool.submit(_prepare_in_worker, item.row.prompt, item.row.image)))
+
+    def put_done(self, item: Item) -> None:
+        """Queue an item that needs no preparation (it already carries its error)."""
+        self.queue.append((item, None))
+
+    def pop(self) -> Item:
+        """The oldest row, prepared (or with its error); waits for it."""
+        item, fut = self.queue.popleft()
+        if fut is None:
+            return item
+        try:
+            self._finish(item, fut.result())
+        except BrokenProcessPool:
+            self._recover(item)
+        return item
+
+    def _recover(self, item: Item) -> None:
+        """A worker died: restart the pool, retry this row alone, then resubmit the rows behind it."""
+        log.warning("a preprocess worker died; restarting the pool, retrying row %s alone", item.row.id)
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self._start()
+        try:
+            self._finish(item, self.pool.submit(_prepare_in_worker, item.row.prompt, item.row.image).result())
+        except BrokenProcessPool:
+            item.error = "preprocess worker died on this row"
+            item.t_prepared = time.perf_counter()
+            self.pool.shutdown(wait=False, cancel_futures=True)
+            self._start()
+        rest = list(self.queue)
+        self.queue.clear()
+        for it, fut in rest:
+            if fut is None or (fut.done() and not fut.cancelled() and fut.exception() is None):
+                self.queue.append((it, fut))  # already finished, or needs no preparation
+            else:
+                self.submit(it)
+
+    @staticmethod
+    def _finish(item: Item, result: tuple) -> None:
+        out, err, item.t_start, item.t_prepared = result
+        if (
+            out is not None
+            and out.pixel_values is not None
+            and not isinstance(out.pixel_values, torch.Tensor)
+        ):
+            out.pixel_values = torch.from_numpy(out.pixel_values)
+        item.prepared, item.error = out, err
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            self.pool = None
+
+
+# ---------------------------------------------------------------- batching
+
+
+def pack(items: Iterable[Item], max_tokens: int, max_tiles: int) -> Iterator[list[Item]]:
+    """Group prepared items in arrival order under both budgets; a single over-budget item runs alone."""
+    batch: list[Item] = []
+    tokens = tiles = 0
+    for it in items:
+        n, t = len(it.prepared.input_ids), it.prepared.num_tiles
+        if batch and (tokens + n > max_tokens or tiles + t > max_tiles):
+            yield batch
+            batch, tokens, tiles = [], 0, 0
+        batch.append(it)
+        tokens, tiles = tokens + n, tiles + t
+        if tokens >= max_tokens or tiles >= max_tiles:
+            yield batch
+            batch, tokens, tiles = [], 0, 0
+    if batch:
+        yield batch
+
+
+# ---------------------------------------------------------------- rows
+
+
+def _ms(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else (b - a) * 1e3
+
+
+def base_row(item: Item, t0: float) -> dict:
+    """The columns every row has: id, token counts and preprocessing times."""
+    p, rel = item.prepared, (lambda t: None if t is None else t - t0)
+    row = {
+        "id": item.row.id,
+        "error": item.error,
+        "t_read_s": rel(item.t_read),
+        "t_prepared_s": rel(item.t_prepared),
+        "queue_ms": _ms(item.t_read, item.t_start),
+        "preprocess_ms": _ms(item.t_start, item.t_prepared),
+    }
+    if p is not None:
+        row.update(
+            prompt_token_ids=list(p.input_ids),
+            num_tiles=p.num_tiles,
+            num_image_tokens=p.num_image_tokens,
+            num_text_tokens=p.num_text_tokens,
+        )
+    return row
+
+
+def result_row(item: Item, t0: float, batch_id: int, t_batch: float, res: Any, i: int, text: str) -> dict:
+    """A finished row: outputs and its batch's stage times."""
+    out = [int(t) for t in res.output_ids[i]]
+    stats = res.stats or {}
+    hits, cached = stats.get("cache_hit_image"), stats.get("cached_prefix_tokens")
+    t_first, t_done = res.first_token_s - t0, res.end_s - t0
+    return {
+        **base_row(item, t0),
+        "batch_id": batch_id,
+        "output_token_ids": out,
+        "output_text": text,
+        "cache_hit_image": bool(hits[i]) if isinstance(hits, list) else None,
+        "cached_prefix_tokens": int(cached[i]) if isinstance(cached, list) else None,
+        "batch_wait_ms": _ms(item.t_prepared, t_batch),
+        "vit_ms": res.vit_ms,
+        "prefill_ms": res.prefill_ms,
+        "decode_ms": res.decode_ms,
+        "ttft_ms": t_first * 1e3,
+        "e2e_ms": t_done * 1e3,
+        "tpot_ms": (t_done - t_first) * 1e3 / (len(out) - 1) if len(out) > 1 else None,
+        "t_batch_start_s": t_batch - t0,
+        "t_first_token_s": t_first,
+        "t_done_s": t_done,
+    }
+
+
+# ---------------------------------------------------------------- the loop
+
+
+@dataclass
+class Flow:
+    """What the loop needs: the engine, a prepare callable, a decode callable and the budgets."""
+
+    engine: Any  # has run_batch(list[Request], Sampling) -> BatchResult
+    preprocessor: Callable  # (prompt, image) -> Prepared, picklable when workers > 0
+    decode: Callable[[list[int]], str]
+    sampling: Sampling
+    max_prefill_tokens: int = 16384
+    max_vit_tiles: int = 64
+    workers: int = 0
+    prefetch: int = 32
+
+
+class Runner:
+    """Drives rows through preprocessing, batching, the engine and the writer; counts what it did."""
+
+    def __init__(
+        self, flow: Flow, write: Callable[[dict], None], t0: float, progress: tqdm | None = None
+    ) -> None:
+        self.flow, self.write, self.t0, self.progress = flow, write, t0, progress
+        self.batch_id = 0
+        self.counts = {
+            "rows": 0,
+            "errors": 0,
+            "batches": 0,
+            "input_tokens": 0,
+            "output_tokens": 0,
+            "skipped": 0,
+        }
+        self.exit_after = int(os.environ.get(EXIT_AFTER_ENV, 0))
+        self.outstanding: set[int] = set()  # source indexes handed to the batcher, not yet written
+        self.deferred: deque[tuple[int, dict]] = deque()  # error rows waiting for the rows before them
+
+    def run(
+        self, rows: Iterable[SourceRow], done: set[str] = frozenset(), prep: Preparer | None = None
+    ) -> dict:
+        """Process `rows`, skipping ids in `done`; returns counts. `prep` may be started early (warm workers)."""
+        f = self.flow
+        if prep is None:  # (not `prep or ...`: an idle Preparer has len 0)
+            prep = Preparer(f.preprocessor, f.workers, f.prefetch)
+        try:
+            for batch in pack(self._prepared(rows, done, prep), f.max_prefill_tokens, f.max_vit_tiles):
+                self._run_batch(batch)
+                self._flush_errors()
+            self._flush_errors()
+        finally:
+            prep.close()
+        return self.counts
+
+    def _prepared(self, rows: Iterable[SourceRow], done: set[str], prep: Preparer) -> Iterator[Item]:
+        """Prepared items in source order; error rows are set aside until the rows before them are written."""
+        source = iter(rows)
+        exhausted = False
+        while True:
+            while not exhausted and prep.has_room():
+                row = next(source, None)
+                if row is None:
+                    exhausted = True
+                elif row.id in done:
+                    self.counts["skipped"] += 1
+                    self._tick(0, 0)
+                elif row.error:  # e.g. duplicate id: keeps its place in line behind the first occurrence
+                    prep.put_done(Item(row, time.perf_counter(), error=row.error))
+                else:
+                    prep.submit(Item(row, time.perf_counter()))
+            if not len(prep):
+                return
+            item = prep.pop()
+            if item.error:
+                self.deferred.append((item.row.index, self._error_row(item)))
+            else:
+                self.outstanding.add(item.row.index)
+                yield item
+
+    def _error_row(self, item: Item) -> dict:
+        return base_row(item, self.t0) | {"t_done_s": time.perf_counter() - self.t0}
+
+    def _flush_errors(self) -> None:
+        """Write error rows once every row before them in the source is written (so a resume never skips the
+        first occurrence of an id because its duplicate's error row made it to disk first)."""
+        first_open = min(self.outstanding, default=None)
+        while self.deferred and (first_open is None or self.deferred[0][0] < first_open):
+            self._emit(self.deferred.popleft()[1])
+
+    def _run_batch(self, batch: list[Item]) -> None:
+        """One engine call; on an exception retry the rows one at a time, then give up on the failing ones."""
+        from batchvl.engine import Request
+
+        f = self.flow
+        reqs = [
+            Request(torch.tensor(it.prepared.input_ids, dtype=torch.int64), it.prepared.pixel_values,
+                    it.prepared.image_key)
+            for it in batch
+        ]  # fmt: skip
+        t_batch = time.perf_counter()
+        try:
+            res = f.engine.run_batch(reqs, f.sampling)
+            if len(res.output_ids) != len(batch):
+                raise RuntimeError(f"engine returned {len(res.output_ids)} outputs for {len(batch)} requests")
+        except Exception as e:  # only the engine's failures: writer errors below stop the job
+            if len(batch) > 1:
+                log.warning(
+                    "engine failed on a batch of %d rows (%s); retrying them one by one", len(batch), e
+                )
+                for item in batch:
+                    self._run_batch([item])
+                return
+            log.warning("engine failed on row %s: %s: %s", batch[0].row.id, type(e).__name__, e)
+            batch[0].error = f"engine: {type(e).__name__}: {e}"
+            self.outstanding.discard(batch[0].row.index)
+            self._emit(self._error_row(batch[0]))
+            return
+        self.batch_id += 1
+        self.counts["batches"] += 1
+        for i, it in enumerate(batch):
+            text = f.decode(res.output_ids[i])
+            self.outstanding.discard(it.row.index)
+            self._emit(result_row(it, self.t0, self.batch_id - 1, t_batch, res, i, text))
+
+    def _emit(self, row: dict) -> None:
+        self.write(row)
+        c = self.counts
+        c["rows"] += 1
+        n_in = n_out = 0
+        if row.get("error"):
+            c["errors"] += 1
+        else:
+            n_in, n_out = len(row.get("prompt_token_ids") or ()), len(row.get("output_token_ids") or ())
+            c["input_tokens"] += n_in
+            c["output_tokens"] += n_out
+        self._tick(n_in, n_out)
+        if self.exit_after and c["rows"] >= self.exit_after:
+            log.error("%s=%d reached: exiting without cleanup (test hook)", EXIT_AFTER_ENV, self.exit_after)
+            os._exit(17)
+
+    def _tick(self, n_in: int, n_out: int) -> None:
+        if self.progress is None:
+            return
+        self.progress.update(1)
+        dt = max(time.perf_counter() - self.t0, 1e-9)
+        c = self.counts
+        self.progress.set_postfix(
+            in_tok_s=f"{c['input_tokens'] / dt:.0f}", out_tok_s=f"{c['output_tokens'] / dt:.1f}",
+            errors=c["errors"], refresh=False,
+        )  # fmt: skip
+
+
+def write_rows(writer: PartWriter | None) -> Callable[[dict], None]:
+    """The writer's add, or a no-op for ranks that do not write (tensor-parallel followers)."""
+    return writer.add if writer is not None else (lambda row: None)

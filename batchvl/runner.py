@@ -1,0 +1,305 @@
+"""Run a job: `python -m batchvl.runner JOB.yaml [--set key=value ...] [--overwrite]`; torchrun for replicas.
+
+Also the `batchvl` console script: `batchvl run JOB.yaml`, `batchvl report RUN_DIR`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import platform
+import sys
+import time
+from collections.abc import Callable
+from importlib import metadata
+from typing import Any
+
+import click
+import torch
+from tqdm import tqdm
+
+from batchvl import dist
+from batchvl.data import check_source, count_rows, iter_rows
+from batchvl.job import Job, JobError, job_for_fingerprint, job_to_dict, load_job
+from batchvl.model.config import InternVLConfig, config_to_dict, from_preset, load_config
+from batchvl.output import (
+    PartWriter,
+    ResumeError,
+    check_resume,
+    done_ids,
+    fingerprint,
+    format_summary,
+    read_manifest,
+    read_rows,
+    summarize,
+    write_manifest,
+    write_summary,
+)
+from batchvl.pipeline import Flow, Preparer, Runner, write_rows
+from batchvl.preprocess import PreprocessConfig, Preprocessor, image_token_ids, load_tokenizer
+
+log = logging.getLogger("batchvl.runner")
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def resolve_device(job: Job, ctx: dist.DistContext) -> torch.device:
+    """auto: this rank's GPU when there is one, else the CPU."""
+    want = job.model.device
+    if want == "auto":
+        want = "cuda" if torch.cuda.is_available() else "cpu"
+    if want == "cuda":
+        if not torch.cuda.is_available():
+            raise JobError("job.model.device: cuda asked for, but torch sees no GPU")
+        return torch.device("cuda", ctx.local_rank)
+    return torch.device("cpu")
+
+
+def resolve_dtype(job: Job, device: torch.device) -> torch.dtype:
+    """auto: bfloat16 on GPU, float32 on CPU."""
+    if job.model.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[job.model.dtype]
+
+
+def model_config(job: Job) -> InternVLConfig:
+    """The model's config without loading weights."""
+    return load_config(job.model.path) if job.model.path else from_preset(job.model.preset)
+
+
+def model_fingerprint(job: Job, cfg: InternVLConfig, dtype: torch.dtype) -> str:
+    m = job.model
+    source = {"path": m.path} if m.path else {"preset": m.preset, "weights": m.weights, "seed": m.seed}
+    return fingerprint({"config": config_to_dict(cfg), "source": source, "dtype": str(dtype)})
+
+
+def engine_config(job: Job) -> Any:
+    from batchvl.engine import EngineConfig
+
+    return EngineConfig(**dataclasses.asdict(job.engine))
+
+
+def build_engine(
+    job: Job,
+    device: torch.device,
+    dtype: torch.dtype,
+    eos_token_ids: tuple[int, ...] = (),
+    ctx: dist.DistContext | None = None,
+) -> Any:
+    """The one place that wires model + engine; with model.tp > 1 each rank keeps its slice of the LLM."""
+    from batchvl.engine import Engine
+    from batchvl.model.loader import load_model, random_model
+
+    m = job.model
+    hooks: dict[str, Any] = {}
+    if ctx is not None and ctx.tp > 1:  # the ViT stays replicated on every rank of the replica
+        from batchvl.llm.tp import shard_llm
+
+        fns: dict[str, Callable] = {}
+        hooks["prepare"] = lambda model: fns.update(s=shard_llm(model.llm, ctx.tp_rank, ctx.tp, ctx.tp_group))
+        hooks["shard"] = lambda name, t: fns["s"](name, t)
+    if m.path:
+        model, cfg = load_model(m.path, device, dtype, trust_remote_code=m.trust_remote_code, **hooks)
+    else:
+        model, cfg = random_model(m.preset, device, dtype, seed=m.seed, **hooks)
+    return Engine(model, cfg, engine_config(job), device=device, dtype=dtype, eos_token_ids=eos_token_ids)
+
+
+def preprocess_config(job: Job, cfg: InternVLConfig) -> PreprocessConfig:
+    p = job.preprocess
+    return PreprocessConfig(
+        image_size=cfg.vision.image_size, min_tiles=p.min_tiles, max_tiles=p.max_tiles,
+        use_thumbnail=p.use_thumbnail, num_image_token=cfg.num_image_token, template=cfg.template,
+        system_message=p.system_message, max_input_tokens=p.max_input_tokens, overlong=p.overlong,
+        max_image_pixels=p.max_image_pixels,
+    )  # fmt: skip
+
+
+def stop_token_ids(tokenizer: Any) -> tuple[int, ...]:
+    """The template's end-of-turn token and the tokenizer's eos."""
+    ids = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")}
+    return tuple(sorted(i for i in ids if isinstance(i, int) and i >= 0 and i != tokenizer.unk_token_id))
+
+
+def versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for pkg in ("batchvl", "torch", "transformers", "datasets", "pyarrow"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[pkg] = "not installed"
+    return out
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def _resume_decision(job: Job, ctx: dist.DistContext, job_fp: str, model_fp: str) -> str:
+    """Rank 0 decides fresh/resume/overwrite (and deletes on overwrite); every rank gets the answer."""
+    answer: tuple[str, str] = ("ok", "")
+    if ctx.is_main:
+        try:
+            answer = ("ok", check_resume(job.output.dir, job_fp, model_fp, job.output.overwrite))
+        except ResumeError as e:
+            answer = ("error", str(e))
+    kind, value = dist.broadcast_object(ctx, answer)
+    if kind == "error":
+        raise ResumeError(value)
+    return value
+
+
+def run_job(
+    job: Job, ctx: dist.DistContext | None = None, engine_factory: Callable = build_engine
+) -> dict | None:
+    """Run `job` on this rank; rank 0 returns the summary of all rows in the output dir."""
+    ctx = ctx or dist.DistContext()
+    m, out = job.model, job.output.dir
+    if m.tp != ctx.tp:
+        raise JobError(f"job.model.tp: {m.tp} but the process groups were built for tp={ctx.tp}")
+    device = resolve_device(job, ctx)
+    dtype = resolve_dtype(job, device)
+    cfg = model_config(job)
+    engine_config(job)  # fails here, before any weights load, if the engine rejects a setting
+    check_source(job.data)
+    job_fp, model_fp = fingerprint(job_for_fingerprint(job)), model_fingerprint(job, cfg, dtype)
+    decision = _resume_decision(job, ctx, job_fp, model_fp)
+    tok_path = m.tokenizer or m.path
+    tokenizer = load_tokenizer(tok_path, m.trust_remote_code)
+    ctx_id = image_token_ids(tokenizer)["img_context"]
+    if cfg.image_token_id >= 0 and ctx_id != cfg.image_token_id:
+        raise JobError(f"job.model: tokenizer's <IMG_CONTEXT> id {ctx_id} != the model's image_token_id "
+                       f"{cfg.image_token_id}; set model.tokenizer to the model's tokenizer")  # fmt: skip
+    pre = Preprocessor(preprocess_config(job, cfg), tok_path, m.trust_remote_code)
+    previous = (read_manifest(out) or {}) if decision == "resume" else {}
+    manifest = {
+        "job": job_to_dict(job), "job_fingerprint": job_fp, "model_fingerprint": model_fp,
+        "model": {"config": config_to_dict(cfg), "dtype": str(dtype), "device": str(device)},
+        "versions": versions(), "world_size": ctx.world_size, "replicas": ctx.num_replicas, "tp": ctx.tp,
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.machine()})",
+        "started_at": _now(), "ended_at": None, "status": "running", "decision": decision,
+        "runs": previous.get("runs", []),
+    }  # fmt: skip
+    if ctx.is_main:
+        write_manifest(out, manifest)
+    p = job.preprocess
+    prep = Preparer(pre, p.workers, p.prefetch)  # workers warm up while the model loads
+    try:
+        t_load = time.perf_counter()
+        engine = engine_factory(job, device, dtype, stop_token_ids(tokenizer), ctx)
+        load_s = time.perf_counter() - t_load
+        log.info("model ready in %.1f s (%s, %s, %s)", load_s, m.path or m.preset, device, dtype)
+        g = job.generation
+        sampling = _sampling(g)
+        flow = Flow(engine, pre, lambda ids: tokenizer.decode(ids, skip_special_tokens=True), sampling,
+                    job.engine.max_prefill_tokens, job.engine.max_vit_tiles, p.workers, p.prefetch)  # fmt: skip
+        done = done_ids(out) if decision == "resume" else set()
+        writer = PartWriter(out, ctx.rank, job.output.rows_per_part) if ctx.is_writer else None
+        total = count_rows(job.data)
+        shard_total = None if total is None else -(-total // ctx.num_replicas)
+        prep.wait_warm()
+        dist.barrier(ctx)
+        t0 = time.perf_counter()
+        desc = "rows" if ctx.num_replicas == 1 else f"rows (replica 0 of {ctx.num_replicas})"
+        with tqdm(
+            total=shard_total, desc=desc, unit="row", disable=not ctx.is_main, dynamic_ncols=True
+        ) as bar:
+            counts = Runner(flow, write_rows(writer), t0, bar).run(
+                iter_rows(job.data, ctx.replica, ctx.num_replicas), done, prep
+            )
+        if writer is not None:
+            writer.close()
+        duration = time.perf_counter() - t0
+    finally:
+        prep.close()
+    log.info("rank done in %.1f s: %s", duration, counts)
+    all_counts = dist.all_gather_object(ctx, counts)
+    dist.barrier(ctx)
+    if not ctx.is_main:
+        return None
+    runs = manifest["runs"] + [{"started_at": manifest["started_at"], "ended_at": _now(), "duration_s": duration,
+                                "load_s": load_s, "world_size": ctx.world_size, "counts": all_counts}]  # fmt: skip
+    summary = summarize(read_rows(out), sum(r["duration_s"] for r in runs))
+    write_summary(out, summary)
+    write_manifest(out, manifest | {"ended_at": runs[-1]["ended_at"], "status": "done", "runs": runs})
+    click.echo(format_summary(summary))
+    return summary
+
+
+def _sampling(g: Any) -> Any:
+    from batchvl.engine import Sampling
+
+    return Sampling(g.max_new_tokens, g.temperature, g.top_p, g.seed, g.ignore_eos, tuple(g.stop_token_ids))
+
+
+def setup_logging(ctx_rank: int, world: int) -> None:
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s [rank {ctx_rank}/{world}] %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def run_file(job_file: str, sets: tuple[str, ...] = (), overwrite: bool = False) -> dict | None:
+    """Load, validate and run a job file on this rank (joins torchrun's process group when there is one)."""
+    rank, world, _ = dist.env_ranks()
+    setup_logging(rank, world)
+    try:
+        job = load_job(job_file, sets, **({"output.overwrite": True} if overwrite else {}))
+    except JobError as e:
+        raise click.ClickException(str(e)) from None
+    try:
+        ctx = dist.init(
+            job.model.tp, "cuda" if job.model.device != "cpu" and torch.cuda.is_available() else "cpu"
+        )
+    except ValueError as e:
+        raise click.ClickException(f"job.model.tp: {e}") from None
+    try:
+        return run_job(job, ctx)
+    except (JobError, ResumeError, FileNotFoundError) as e:
+        raise click.ClickException(str(e)) from None
+    finally:
+        dist.shutdown(ctx)
+
+
+_JOB_ARG = click.argument("job_file", type=click.Path(exists=True, dir_okay=False))
+_SET_OPT = click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
+                        help="Override a job key, e.g. --set output.dir=runs/x (YAML scalar rules).")  # fmt: skip
+_OVERWRITE_OPT = click.option("--overwrite", is_flag=True, help="Delete earlier results in output.dir first.")
+
+
+@click.command()
+@_JOB_ARG
+@_SET_OPT
+@_OVERWRITE_OPT
+def main(job_file: str, sets: tuple[str, ...], overwrite: bool) -> None:
+    """Run the batch inference job JOB_FILE (re-running the same command resumes)."""
+    run_file(job_file, sets, overwrite)
+
+
+@click.group()
+def cli() -> None:
+    """batchvl: batch offline inference for InternVL2.5."""
+
+
+@cli.command("run")
+@_JOB_ARG
+@_SET_OPT
+@_OVERWRITE_OPT
+def run_cmd(job_file: str, sets: tuple[str, ...], overwrite: bool) -> None:
+    """Run the batch inference job JOB_FILE (re-running the same command resumes)."""
+    run_file(job_file, sets, overwrite)
+
+
+@cli.command("report")
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--no-plots", is_flag=True, help="Tables only, no PNG plots.")
+def report_cmd(run_dir: str, no_plots: bool) -> None:
+    """Print the report of a finished run (and write its plots)."""
+    from batchvl.report import report
+
+    click.echo(report(run_dir, plots=not no_plots))
+
+
+if __name__ == "__main__":
+    main()

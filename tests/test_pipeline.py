@@ -1,0 +1,194 @@
+"""The flow with a fake engine: batching budgets, error rows, engine failures, per-row timings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import BAD_ROWS, FakeEngine
+
+from batchvl.data import SourceRow, iter_rows
+from batchvl.engine import Sampling
+from batchvl.job import DataSpec
+from batchvl.output import PartWriter, read_rows
+from batchvl.pipeline import Flow, Item, Preparer, Runner, pack
+from batchvl.preprocess import Prepared, PreprocessConfig, Preprocessor, load_tokenizer
+
+PCFG = PreprocessConfig(max_tiles=2, max_input_tokens=2048, max_image_pixels=4_000_000)
+
+
+def _item(n_tokens: int, tiles: int, i: int) -> Item:
+    p = Prepared(list(range(n_tokens)), None, tiles, 256 * tiles, n_tokens - 256 * tiles, None)
+    return Item(SourceRow(i, str(i), "q"), 0.0, prepared=p)
+
+
+def test_pack_respects_both_budgets_in_arrival_order():
+    sizes = [(300, 1), (300, 1), (500, 2), (100, 0), (2000, 5), (50, 0), (400, 1), (400, 1), (100, 3)]
+    items = [_item(n, t, i) for i, (n, t) in enumerate(sizes)]
+    batches = list(pack(items, max_tokens=1000, max_tiles=4))
+    assert [[int(it.row.id) for it in b] for b in batches] == [[0, 1], [2, 3], [4], [5, 6, 7], [8]]
+    for b in batches:
+        toks = sum(len(it.prepared.input_ids) for it in b)
+        tiles = sum(it.prepared.num_tiles for it in b)
+        assert len(b) == 1 or (toks <= 1000 and tiles <= 4)
+    # a batch that is exactly full goes at once
+    assert [len(b) for b in pack([_item(500, 0, i) for i in range(4)], 1000, 64)] == [2, 2]
+    assert [len(b) for b in pack([_item(10, 2, i) for i in range(4)], 1000, 4)] == [2, 2]
+    assert [len(b) for b in pack([_item(10, 3, i) for i in range(3)], 1000, 4)] == [1, 1, 1]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(None)
+
+
+def _rows(jsonl: Path) -> list[SourceRow]:
+    rows = list(iter_rows(DataSpec(format="jsonl", path=str(jsonl))))
+    img = str(jsonl.parent / "rgb.png")
+    n = len(rows)
+    return rows + [SourceRow(n, "boom", "xyzzy makes the engine fail", img),
+                   SourceRow(n + 1, "after", "The job goes on.", img),
+                   SourceRow(n + 2, "after", "The job goes on.", img, error="duplicate id")]  # fmt: skip
+
+
+def run_flow(
+    rows, tokenizer, out: Path, workers: int = 0, done=frozenset(), **budget
+) -> tuple[list[dict], FakeEngine]:
+    boom = tokenizer.encode("xyzzy", add_special_tokens=False)[0]
+    engine = FakeEngine(fail_if=lambda r: bool((r.input_ids == boom).any()))
+    flow = Flow(engine, Preprocessor(PCFG), lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                Sampling(max_new_tokens=3), workers=workers, prefetch=4, **budget)  # fmt: skip
+    writer = PartWriter(out, rank=0, rows_per_part=5)
+    counts = Runner(flow, writer.add, t0=0.0).run(rows, done)
+    writer.close()
+    table = read_rows(out).to_pylist()
+    assert counts["rows"] == len(table)
+    return table, engine
+
+
+def test_errors_travel_as_rows_and_the_job_goes_on(bad_rows_jsonl, tokenizer, tmp_path):
+    table, engine = run_flow(
+        _rows(bad_rows_jsonl), tokenizer, tmp_path, max_prefill_tokens=1400, max_vit_tiles=4
+    )
+    by_id: dict[str, list[dict]] = {}
+    for r in table:
+        by_id.setdefault(r["id"], []).append(r)
+    assert sorted(by_id) == sorted([*BAD_ROWS, "boom", "after"])
+    assert [r["error"] for r in by_id["rgb"]] == [None, "duplicate id"]
+    for rid, want in BAD_ROWS.items():
+        err = by_id[rid][0]["error"]
+        assert (err is None) if want is None else (err is not None and want in err), (rid, err)
+    assert by_id["boom"][0]["error"] == "engine: RuntimeError: fake engine failure"
+    assert [r["error"] for r in by_id["after"]] == [None, "duplicate id"]  # never the duplicate first
+    # the batch holding "boom" failed as a whole, then its rows ran alone; the others still succeeded
+    failed = [i for i, b in enumerate(engine.batches) if b["n"] > 1 and i + 1 < len(engine.batches)
+              and engine.batches[i + 1]["n"] == 1]  # fmt: skip
+    assert failed, engine.batches
+    for b in engine.batches:
+        assert b["n"] == 1 or (b["tokens"] <= 1400 and b["tiles"] <= 4), b
+    ok = [r for r in table if r["error"] is None]
+    assert len(ok) == 7
+    for r in ok:
+        expect = [sum(r["prompt_token_ids"]) % 1000 + k for k in range(3)]
+        assert r["output_token_ids"] == expect
+        assert r["output_text"] == tokenizer.decode(expect, skip_special_tokens=True)
+        assert r["num_image_tokens"] + r["num_text_tokens"] == len(r["prompt_token_ids"])
+        assert (
+            r["t_read_s"]
+            <= r["t_prepared_s"]
+            <= r["t_batch_start_s"]
+            <= r["t_first_token_s"]
+            <= r["t_done_s"]
+        )
+        assert min(r["queue_ms"], r["preprocess_ms"], r["batch_wait_ms"]) >= 0
+        assert (r["vit_ms"], r["prefill_ms"], r["decode_ms"]) == (1.0, 2.0, 3.0)
+        assert r["ttft_ms"] == pytest.approx(r["t_first_token_s"] * 1e3)
+        assert r["e2e_ms"] == pytest.approx(r["t_done_s"] * 1e3)
+        assert r["tpot_ms"] == pytest.approx((r["t_done_s"] - r["t_first_token_s"]) * 1e3 / 2)
+        assert r["cache_hit_image"] is False and r["cached_prefix_tokens"] == 0 and r["batch_id"] is not None
+    assert sum(r["num_tiles"] > 0 for r in ok) == 6
+    for r in table:
+        if r["error"] is not None:
+            assert (
+                r["output_token_ids"] is None and r["t_done_s"] is not None and r["t_read_s"] <= r["t_done_s"]
+            )
+
+
+def test_resume_skips_done_ids(bad_rows_jsonl, tokenizer, tmp_path):
+    rows = [r for r in _rows(bad_rows_jsonl) if r.id in ("grey", "text", "alpha", "corrupt")]
+    table, _ = run_flow(rows, tokenizer, tmp_path, done={"grey", "corrupt"})
+    assert sorted(r["id"] for r in table) == ["alpha", "text"]
+
+
+@pytest.mark.slow
+def test_worker_pool_gives_the_same_rows(bad_rows_jsonl, tokenizer, tmp_path):
+    rows = _rows(bad_rows_jsonl)
+    inproc, _ = run_flow(rows, tokenizer, tmp_path / "a", max_prefill_tokens=1400, max_vit_tiles=4)
+    pooled, _ = run_flow(rows, tokenizer, tmp_path / "b", workers=2, max_prefill_tokens=1400, max_vit_tiles=4)
+    keys = ("id", "error", "prompt_token_ids", "output_token_ids", "num_tiles", "batch_id")
+    rows_of = lambda table: sorted((tuple(r[k] for k in keys) for r in table), key=str)  # noqa: E731
+    assert rows_of(pooled) == rows_of(inproc)
+    # an id's duplicate is never written before its first occurrence (a resume would skip the first for good)
+    assert [r["error"] for r in pooled if r["id"] == "rgb"] == [None, "duplicate id"]
+    for r in pooled:
+        if r["error"] is None:
+            assert r["t_read_s"] <= r["t_prepared_s"] <= r["t_batch_start_s"] <= r["t_first_token_s"]
+
+
+def test_pixel_values_reach_the_engine_as_tensors(bad_rows_jsonl, tokenizer, tmp_path):
+    seen = []
+
+    class Spy(FakeEngine):
+        def run_batch(self, requests, sampling):
+            seen.extend(requests)
+            return super().run_batch(requests, sampling)
+
+    rows = [r for r in _rows(bad_rows_jsonl) if r.id in ("rgb", "text")][:2]
+    flow = Flow(Spy(), Preprocessor(PCFG), str, Sampling(max_new_tokens=2))
+    Runner(flow, lambda row: None, t0=0.0).run(rows)
+    assert [r.input_ids.dtype for r in seen] == [torch.int64, torch.int64]
+    assert (
+        seen[0].pixel_values.shape[1:] == (3, 448, 448) and seen[0].image_key and seen[1].pixel_values is None
+    )
+
+
+class DyingPreprocessor:
+    """Kills its worker process on the prompt 'die' (a decoder crash); otherwise a fixed text-only row."""
+
+    def __call__(self, prompt, image):
+        import os
+
+        if prompt == "die":
+            os._exit(3)
+        return Prepared([1, 2, 3, len(prompt)], None, 0, 0, 4, None)
+
+
+@pytest.mark.slow
+def test_a_row_that_kills_its_worker_becomes_an_error_row(tmp_path):
+    rows = [SourceRow(i, p, p) for i, p in enumerate(["a", "bb", "die", "ccc", "dddd"])]
+    rows.append(SourceRow(5, "a", "a", error="duplicate id"))
+    written: list[dict] = []
+    flow = Flow(FakeEngine(), DyingPreprocessor(), str, Sampling(max_new_tokens=1), workers=1, prefetch=8)
+    counts = Runner(flow, written.append, t0=0.0).run(rows)
+    assert [(r["id"], r["error"]) for r in written if r["error"]] == [
+        ("die", "preprocess worker died on this row"), ("a", "duplicate id")
+    ]  # fmt: skip
+    assert sorted(r["id"] for r in written if not r["error"]) == ["a", "bb", "ccc", "dddd"]
+    assert counts["rows"] == 6
+
+
+def test_runner_uses_the_preparer_started_early():
+    class Counting(Preparer):
+        submitted = 0
+
+        def submit(self, item):
+            Counting.submitted += 1
+            super().submit(item)
+
+    pre = DyingPreprocessor()
+    rows = [SourceRow(i, str(i), "q" * (i + 1)) for i in range(3)]
+    flow = Flow(FakeEngine(), pre, str, Sampling(max_new_tokens=1))
+    written: list[dict] = []
+    Runner(flow, written.append, t0=0.0).run(rows, prep=Counting(pre, 0, 4))  # an idle Preparer is falsy
+    assert Counting.submitted == 3 and len(written) == 3

@@ -1,0 +1,222 @@
+"""Whole jobs: the demo through the CLI, torchrun replicas, an interrupted run resumed, bad rows, CLI errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+from conftest import BAD_ROWS, FakeEngine
+
+from batchvl.data import shard_of
+from batchvl.demo import demo_rows
+from batchvl.job import load_job
+from batchvl.output import ResumeError, read_manifest, read_rows
+from batchvl.pipeline import EXIT_AFTER_ENV
+from batchvl.preprocess import load_tokenizer
+from batchvl.runner import cli, main, run_job
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO_IDS = sorted(r["id"] for r in demo_rows())
+
+
+def run_cli(*args: str, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    """`python -m batchvl.runner ARGS` from the repo root."""
+    return subprocess.run([sys.executable, "-m", "batchvl.runner", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, **(env or {})})  # fmt: skip
+
+
+def by_id(out_dir: Path) -> dict[str, dict]:
+    rows = read_rows(out_dir).to_pylist()
+    assert len(rows) == len({r["id"] for r in rows}), "an id was written twice"
+    return {r["id"]: r for r in rows}
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory) -> tuple[Path, str]:
+    out = tmp_path_factory.mktemp("demo") / "run"
+    p = run_cli("jobs/demo.yaml", "--set", f"output.dir={out}")
+    assert p.returncode == 0, p.stderr[-3000:]
+    return out, p.stdout
+
+
+@pytest.mark.slow
+def test_demo_job_end_to_end(demo_run):
+    out, stdout = demo_run
+    rows = by_id(out)
+    assert sorted(rows) == DEMO_IDS
+    tok = load_tokenizer(None)
+    for r in rows.values():
+        assert r["error"] is None and 1 <= len(r["output_token_ids"]) <= 8
+        assert r["output_text"] == tok.decode(r["output_token_ids"], skip_special_tokens=True)
+        assert (
+            r["t_read_s"]
+            <= r["t_prepared_s"]
+            <= r["t_batch_start_s"]
+            <= r["t_first_token_s"]
+            <= r["t_done_s"]
+        )
+    assert rows["text-only"]["num_tiles"] == 0 and rows["wide-stripes"]["num_tiles"] > 1
+    man = read_manifest(out)
+    assert man["status"] == "done" and man["world_size"] == 1 and len(man["runs"]) == 1
+    assert man["job_fingerprint"] and man["model_fingerprint"] and man["versions"]["torch"]
+    # the summary, recomputed from the Parquet files
+    s = json.loads((out / "summary.json").read_text())
+    ok = list(rows.values())
+    dur = man["runs"][0]["duration_s"]
+    n_in = sum(r["num_text_tokens"] + r["num_image_tokens"] for r in ok)
+    n_out = sum(len(r["output_token_ids"]) for r in ok)
+    assert (s["successful_requests"], s["failed_requests"]) == (8, 0)
+    assert (s["total_input_tokens"], s["total_generated_tokens"]) == (n_in, n_out)
+    assert s["benchmark_duration_s"] == pytest.approx(dur)
+    assert s["request_throughput"] == pytest.approx(8 / dur)
+    assert s["output_token_throughput"] == pytest.approx(n_out / dur)
+    assert s["mean_e2e_ms"] == pytest.approx(np.mean([r["e2e_ms"] for r in ok]))
+    assert s["p99_ttft_ms"] == pytest.approx(np.percentile([r["ttft_ms"] for r in ok], 99))
+    assert "Serving Benchmark Result" in stdout and (out / "summary.txt").read_text().strip() in stdout
+    # the batchvl console script's report over the same run
+    res = CliRunner().invoke(cli, ["report", str(out), "--no-plots"])
+    assert res.exit_code == 0, res.output
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_torchrun_two_replicas_match_one_process(demo_run, tmp_path):
+    single, _ = demo_run
+    out = tmp_path / "run"
+    cmd = ["torchrun", "--standalone", "--nproc-per-node", "2", "-m", "batchvl.runner", "jobs/demo.yaml",
+           "--set", f"output.dir={out}"]  # fmt: skip
+    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.count("Serving Benchmark Result") == 1  # rank 0 only
+    for rank in (0, 1):
+        parts = sorted(out.glob(f"part-{rank:05d}-*.parquet"))
+        assert parts, f"rank {rank} wrote nothing"
+        ids = [i for f in parts for i in pq.read_table(f, columns=["id"]).column("id").to_pylist()]
+        assert all(shard_of(i, 2) == rank for i in ids)  # disjoint shards
+    two, one = by_id(out), by_id(single)
+    assert sorted(two) == DEMO_IDS  # every id exactly once
+    for i in DEMO_IDS:
+        assert two[i]["output_token_ids"] == one[i]["output_token_ids"], i
+        assert two[i]["prompt_token_ids"] == one[i]["prompt_token_ids"], i
+    man = read_manifest(out)
+    assert man["world_size"] == 2 and man["replicas"] == 2
+    assert sum(c["rows"] for c in man["runs"][0]["counts"]) == 8
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_torchrun_tensor_parallel_matches_one_process(demo_run, tmp_path):
+    single, _ = demo_run
+    out = tmp_path / "run"
+    cmd = ["torchrun", "--standalone", "--nproc-per-node", "2", "-m", "batchvl.runner", "jobs/demo.yaml",
+           "--set", f"output.dir={out}", "--set", "model.tp=2"]  # fmt: skip
+    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert sorted(f.name.split("-")[1] for f in out.glob("part-*.parquet")) == ["00000"] * 2  # one writer
+    two, one = by_id(out), by_id(single)
+    assert sorted(two) == DEMO_IDS
+    assert {i: r["output_token_ids"] for i, r in two.items()} == {
+        i: r["output_token_ids"] for i, r in one.items()
+    }
+    man = read_manifest(out)
+    assert (man["world_size"], man["replicas"], man["tp"]) == (2, 1, 2)
+
+
+@pytest.mark.slow
+def test_interrupted_run_resumes_without_losing_or_doubling(tmp_path):
+    out = tmp_path / "run"
+    args = [
+        "jobs/demo.yaml",
+        "--set",
+        f"output.dir={out}",
+        "--set",
+        "output.rows_per_part=2",
+        "--set",
+        "engine.max_prefill_tokens=1",
+    ]  # fmt: skip  (one row per batch: rows finish one by one)
+    p = run_cli(*args, env={EXIT_AFTER_ENV: "5"})
+    assert p.returncode == 17, p.stderr[-3000:]
+    first = by_id(out)
+    assert len(first) == 4  # two parts of 2 rows; the 5th row was still buffered when the process died
+    assert read_manifest(out)["status"] == "running"
+    p = run_cli(*args)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = by_id(out)
+    assert sorted(rows) == DEMO_IDS and all(r["error"] is None for r in rows.values())
+    for i, r in first.items():
+        assert rows[i] == r  # rows written before the crash were kept, not redone
+    man = read_manifest(out)
+    assert man["status"] == "done" and man["decision"] == "resume"
+    assert man["runs"][-1]["counts"][0]["skipped"] == 4
+    assert json.loads((out / "summary.json").read_text())["successful_requests"] == 8
+
+
+@pytest.mark.slow
+def test_bad_inputs_through_a_real_job(bad_rows_jsonl, tmp_path):
+    job = load_job(REPO / "jobs/demo.yaml", [
+        "data.format=jsonl", f"data.path={bad_rows_jsonl}", f"output.dir={tmp_path / 'run'}",
+        "preprocess.max_tiles=1", "preprocess.max_input_tokens=2048", "preprocess.max_image_pixels=4000000",
+        "generation.max_new_tokens=2", "preprocess.workers=0",
+    ])  # fmt: skip
+    summary = run_job(job)
+    rows = read_rows(job.output.dir).to_pylist()
+    assert len(rows) == 13
+    seen: dict[str, list[dict]] = {}
+    for r in rows:
+        seen.setdefault(r["id"], []).append(r)
+    assert [r["error"] for r in seen["rgb"]] == [None, "duplicate id"]  # written in this order
+    for rid, want in BAD_ROWS.items():
+        err = seen[rid][0]["error"]
+        if want is None:
+            assert err is None and len(seen[rid][0]["output_token_ids"]) >= 1, (rid, err)
+        else:
+            assert err is not None and want in err, (rid, err)
+    assert (summary["successful_requests"], summary["failed_requests"]) == (6, 7)
+
+
+def _small_job(tmp_path: Path, *sets: str):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"question {i}"}) + "\n" for i in range(5)))
+    return load_job(REPO / "jobs/demo.yaml", ["data.format=jsonl", f"data.path={rows}",
+                                              f"output.dir={tmp_path / 'run'}", *sets])  # fmt: skip
+
+
+def fake_factory(job, device, dtype, eos_token_ids=(), ctx=None):
+    return FakeEngine()
+
+
+def test_rerun_resumes_and_a_different_job_is_refused(tmp_path):
+    job = _small_job(tmp_path)
+    assert run_job(job, engine_factory=fake_factory)["successful_requests"] == 5
+    parts = sorted(p.name for p in Path(job.output.dir).glob("part-*"))
+    again = run_job(job, engine_factory=fake_factory)  # same command: nothing left to do
+    assert (
+        again["successful_requests"] == 5
+        and sorted(p.name for p in Path(job.output.dir).glob("part-*")) == parts
+    )
+    changed = _small_job(tmp_path, "generation.max_new_tokens=2")
+    with pytest.raises(ResumeError, match="different job"):
+        run_job(changed, engine_factory=fake_factory)
+    over = _small_job(tmp_path, "generation.max_new_tokens=2", "output.overwrite=true")
+    assert run_job(over, engine_factory=fake_factory)["successful_requests"] == 5
+    assert all(len(r["output_token_ids"]) == 2 for r in read_rows(job.output.dir).to_pylist())
+
+
+def test_cli_errors_name_the_key_and_exit_nonzero(tmp_path):
+    r = CliRunner().invoke(main, ["jobs/demo.yaml", "--set", "data.fromat=jsonl"])
+    assert r.exit_code == 1 and "job.data.fromat: unknown key (did you mean 'format'?)" in r.output
+    r = CliRunner().invoke(main, ["jobs/demo.yaml", "--set", "model.dtype=float8"])
+    assert r.exit_code == 1 and "job.model.dtype: 'float8' is not one of" in r.output
+    r = CliRunner().invoke(cli, ["run", "jobs/demo.yaml", "--set", f"data.image={tmp_path / 'nope.png'}"])
+    assert r.exit_code == 1 and "job.data.image:" in r.output and "is not a file" in r.output
+    r = CliRunner().invoke(main, ["jobs/demo.yaml", "--set", "model.tp=2"])  # one process cannot hold tp=2
+    assert r.exit_code == 1 and "job.model.tp: world size 1 is not a multiple of model.tp=2" in r.output
+    r = CliRunner().invoke(main, [str(tmp_path / "missing.yaml")])
+    assert r.exit_code == 2  # click: the job file does not exist
