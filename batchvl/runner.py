@@ -102,7 +102,28 @@ def build_engine(
         model, cfg = load_model(m.path, device, dtype, trust_remote_code=m.trust_remote_code, **hooks)
     else:
         model, cfg = random_model(m.preset, device, dtype, seed=m.seed, **hooks)
-    return Engine(model, cfg, engine_config(job), device=device, dtype=dtype, eos_token_ids=eos_token_ids)
+    ecfg = engine_config(job)
+    encode = vision_encoder(model, cfg, ecfg, ctx)
+    return Engine(model, cfg, ecfg, device=device, dtype=dtype, eos_token_ids=eos_token_ids, encode_fn=encode)
+
+
+def vision_encoder(model: Any, cfg: InternVLConfig, ecfg: Any, ctx: dist.DistContext | None) -> Callable:
+    """The ViT callable: compiled or eager; across a tensor-parallel group, TP with split-batch overlap or DP."""
+    from batchvl.encoder.internvit_compiled import compile_encoder
+    from batchvl.encoder.split_overlap import DPVisionEncoder, TPVisionEncoder, choose_vit_mode
+
+    compiled = compile_encoder(model.vision, max_tiles=ecfg.max_vit_tiles) if ecfg.compile_vit else None
+    if ctx is None or ctx.tp <= 1:
+        return compiled or model.vision
+    mode = ecfg.vit_mode
+    if mode == "auto":
+        mode = choose_vit_mode(ecfg.max_vit_tiles, cfg, ctx.tp)
+        log.info(
+            "vit_mode auto -> %s (tp group of %d, %d tiles per ViT batch)", mode, ctx.tp, ecfg.max_vit_tiles
+        )
+    if mode == "tp":
+        return TPVisionEncoder(model.vision, ctx.tp_group, micro_batches=ecfg.vit_splits)
+    return DPVisionEncoder(model.vision, ctx.tp_group, encode=compiled)
 
 
 def preprocess_config(job: Job, cfg: InternVLConfig) -> PreprocessConfig:
