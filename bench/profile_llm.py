@@ -1,0 +1,62 @@
+"""Where does LLM time go? One packed prefill (16 seed-sized sequences) and 3 decode steps at real widths with
+few layers, under torch.profiler; plus micro-timings of the KV-cache write and the decode attention.
+
+    python bench/profile_llm.py --layers 8
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+
+import torch
+from triton.testing import do_bench
+
+from batchvl.engine import Engine, EngineConfig, Request, Sampling
+from batchvl.llm.attention import decode_attention
+from batchvl.model.config import from_preset
+from batchvl.model.loader import random_model
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="internvl2_5-38b")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=16)
+    a = ap.parse_args()
+    cfg = from_preset(a.preset)
+    cfg = replace(cfg, vision=replace(cfg.vision, num_layers=2), llm=replace(cfg.llm, num_layers=a.layers))
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    model, cfg = random_model(cfg, dev, dt, seed=0)
+    g = torch.Generator().manual_seed(0)
+    reqs = [Request(torch.randint(0, 150000, (2000,), generator=g)) for _ in range(a.batch)]
+    eng = Engine(model, cfg, EngineConfig(), dev, dt)
+    s = Sampling(max_new_tokens=4, ignore_eos=True)
+    for _ in range(2):
+        r = eng.run_batch(reqs, s)
+    print(f"prefill {r.prefill_ms:.1f} ms, decode (3 steps) {r.decode_ms:.1f} ms for {a.layers} layers")
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU]
+    ) as p:
+        eng.run_batch(reqs, s)
+        torch.cuda.synchronize()
+    print(p.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=60))
+    # micro: cache write and decode attention, one layer
+    c = cfg.llm
+    kc = torch.randn(a.batch, c.num_kv_heads, 2004, c.head_dim, device=dev, dtype=dt)
+    vc = torch.randn_like(kc)
+    rows = torch.arange(a.batch, device=dev)
+    pos = torch.full((a.batch,), 2000, device=dev)
+    k = torch.randn(a.batch, c.num_kv_heads, c.head_dim, device=dev, dtype=dt)
+
+    def write():
+        kc[rows, :, pos] = k
+
+    q = torch.randn(a.batch, c.num_heads, c.head_dim, device=dev, dtype=dt)
+    lens = pos + 1
+    print(f"decode cache write: {do_bench(write) * 1e3:.1f} us; "
+          f"decode attention: {do_bench(lambda: decode_attention(q, kc, vc, lens)) * 1e3:.1f} us per layer")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
