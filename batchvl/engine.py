@@ -141,6 +141,35 @@ class Engine:
             if self.ecfg.compile_llm and getattr(layer, "_compiled_call_impl", None) is None:
                 layer.compile(dynamic=True)  # one graph, reused by every layer (parameters are inputs)
 
+    def batch_bytes(self, max_tokens: int, max_new_tokens: int) -> int:
+        """Rough peak device memory of one batch of `max_tokens` prompt tokens: its KV cache plus the largest
+        LLM and ViT activations (the MLP's gate/up output dominates)."""
+        c, v, el = self.cfg.llm, self.cfg.vision, torch.empty((), dtype=self.dtype).element_size()
+        kv = KVCache.bytes_per_token(c.num_layers, self._n_kv(), c.head_dim, self.dtype)
+        kv_all = kv * (
+            max_tokens + max_tokens // 64 * max_new_tokens
+        )  # rows padded to the longest: be generous
+        llm_act = max_tokens * (3 * c.intermediate_size + 6 * c.hidden_size) * el
+        vit_act = (
+            self.ecfg.max_vit_tiles * (v.num_patches + 1) * (2 * v.intermediate_size + 6 * v.hidden_size) * el
+        )
+        return kv_all + max(llm_act, vit_act)
+
+    def check_memory(self, max_tokens: int, max_new_tokens: int) -> None:
+        """Fail early, with the numbers, when a full batch cannot fit in the free device memory."""
+        if self.device.type != "cuda":
+            return
+        free, _ = torch.cuda.mem_get_info(self.device)
+        need = self.batch_bytes(max_tokens, max_new_tokens)
+        if need > 0.9 * free:
+            per_token = need / max_tokens
+            fits = int(0.9 * free / per_token) // 1024 * 1024
+            raise MemoryError(
+                f"a batch of engine.max_prefill_tokens={max_tokens} needs about {need / 2**30:.1f} GiB "
+                f"(KV cache + activations) but {free / 2**30:.1f} GiB is free after loading the model; "
+                f"use engine.max_prefill_tokens <= {fits}"
+            )
+
     # ---- ViT -------------------------------------------------------------------------------------------------
     def _encode_tiles(self, tiles: list[torch.Tensor]) -> torch.Tensor:
         """Tiles of several requests (CPU) -> [N, 256, hidden] on device, in chunks of max_vit_tiles."""

@@ -42,6 +42,8 @@ ROW_SCHEMA: pa.Schema = pa.schema(
         _f("vit_ms", pa.float64(), "stage"),
         _f("prefill_ms", pa.float64(), "stage"),
         _f("decode_ms", pa.float64(), "stage"),
+        # the GPU's wait for this batch: previous batch's end (or the job start) to this batch's start, per batch
+        _f("input_wait_ms", pa.float64()),
         _f("ttft_ms", pa.float64(), "latency"),
         _f("e2e_ms", pa.float64(), "latency"),
         _f("tpot_ms", pa.float64(), "latency"),
@@ -291,6 +293,12 @@ def summarize(table: pa.Table, duration_s: float | None = None) -> dict:
     prefix = _col(ok, "cached_prefix_tokens")
     if prefix.null_count < len(prefix):
         s["cached_prefix_tokens"] = _sum(prefix)
+    waits = table.select(["rank", "batch_id", "input_wait_ms"]).filter(
+        pc.is_valid(_col(table, "input_wait_ms"))
+    )
+    if waits.num_rows:  # one value per (rank, batch)
+        per_batch = {(r["rank"], r["batch_id"]): r["input_wait_ms"] for r in waits.to_pylist()}
+        s["gpu_input_wait_s"] = sum(per_batch.values()) / 1e3
     return s
 
 
@@ -313,6 +321,7 @@ _LAYOUT: dict[str | None, list[tuple[str, str]]] = {
     "Time to First Token": [(f"{s}_ttft_ms", f"{n} TTFT (ms):") for s, n in _STATS],
     "Time per Output Token (excl. 1st token)": [(f"{s}_tpot_ms", f"{n} TPOT (ms):") for s, n in _STATS],
     "Cache": [("image_cache_hits", "Image cache hits:"), ("cached_prefix_tokens", "Cached prefix tokens:")],
+    "Engine": [("gpu_input_wait_s", "Idle waiting for input (s, all ranks):")],
 }
 
 

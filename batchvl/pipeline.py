@@ -215,7 +215,16 @@ def base_row(item: Item, t0: float) -> dict:
     return row
 
 
-def result_row(item: Item, t0: float, batch_id: int, t_batch: float, res: Any, i: int, text: str) -> dict:
+def result_row(
+    item: Item,
+    t0: float,
+    batch_id: int,
+    t_batch: float,
+    res: Any,
+    i: int,
+    text: str,
+    wait_ms: float | None = None,
+) -> dict:
     """A finished row: outputs and its batch's stage times."""
     out = [int(t) for t in res.output_ids[i]]
     stats = res.stats or {}
@@ -232,6 +241,7 @@ def result_row(item: Item, t0: float, batch_id: int, t_batch: float, res: Any, i
         "vit_ms": res.vit_ms,
         "prefill_ms": res.prefill_ms,
         "decode_ms": res.decode_ms,
+        "input_wait_ms": wait_ms,
         "ttft_ms": t_first * 1e3,
         "e2e_ms": t_done * 1e3,
         "tpot_ms": (t_done - t_first) * 1e3 / (len(out) - 1) if len(out) > 1 else None,
@@ -266,6 +276,7 @@ class Runner:
     ) -> None:
         self.flow, self.write, self.t0, self.progress = flow, write, t0, progress
         self.batch_id = 0
+        self.last_end = t0  # when the engine last returned: the GPU waits for input from then on
         self.counts = {
             "rows": 0,
             "errors": 0,
@@ -359,10 +370,11 @@ class Runner:
             return
         self.batch_id += 1
         self.counts["batches"] += 1
+        wait_ms, self.last_end = (t_batch - self.last_end) * 1e3, time.perf_counter()
         for i, it in enumerate(batch):
             text = f.decode(res.output_ids[i])
             self.outstanding.discard(it.row.index)
-            self._emit(result_row(it, self.t0, self.batch_id - 1, t_batch, res, i, text))
+            self._emit(result_row(it, self.t0, self.batch_id - 1, t_batch, res, i, text, wait_ms))
 
     def _emit(self, row: dict) -> None:
         self.write(row)

@@ -104,7 +104,11 @@ def build_engine(
         model, cfg = random_model(m.preset, device, dtype, seed=m.seed, **hooks)
     ecfg = engine_config(job)
     encode = vision_encoder(model, cfg, ecfg, ctx)
-    return Engine(model, cfg, ecfg, device=device, dtype=dtype, eos_token_ids=eos_token_ids, encode_fn=encode)
+    engine = Engine(
+        model, cfg, ecfg, device=device, dtype=dtype, eos_token_ids=eos_token_ids, encode_fn=encode
+    )
+    engine.check_memory(ecfg.max_prefill_tokens, job.generation.max_new_tokens)
+    return engine
 
 
 def vision_encoder(model: Any, cfg: InternVLConfig, ecfg: Any, ctx: dist.DistContext | None) -> Callable:

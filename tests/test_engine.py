@@ -107,3 +107,14 @@ def test_compiled_llm_equals_eager():
         layer._compiled_call_impl = None
     assert got == want
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_batch_bytes_grows_with_the_budget_and_counts_the_kv_cache():
+    model, cfg = _model()
+    eng = Engine(model, cfg, EngineConfig())
+    from batchvl.llm.kv_cache import KVCache
+
+    kv = KVCache.bytes_per_token(cfg.llm.num_layers, cfg.llm.num_kv_heads, cfg.llm.head_dim, torch.float32)
+    a, b = eng.batch_bytes(4096, 4), eng.batch_bytes(8192, 4)
+    assert b > a >= 4096 * kv
+    eng.check_memory(10**9, 4)  # CPU: nothing to check, no error

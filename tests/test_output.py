@@ -318,3 +318,16 @@ def test_format_and_write_summary(tmp_path):
     write_summary(tmp_path, s)
     assert json.loads((tmp_path / "summary.json").read_text()) == s
     assert (tmp_path / "summary.txt").read_text() == text + "\n"
+
+
+def test_summarize_gpu_input_wait_counts_each_batch_once():
+    rows = [
+        {"id": "a", "rank": 0, "batch_id": 0, "input_wait_ms": 5.0, "t_done_s": 1.0},
+        {"id": "b", "rank": 0, "batch_id": 0, "input_wait_ms": 5.0, "t_done_s": 1.0},
+        {"id": "c", "rank": 0, "batch_id": 1, "input_wait_ms": 7.0, "t_done_s": 2.0},
+        {"id": "d", "rank": 1, "batch_id": 0, "input_wait_ms": 1.0, "t_done_s": 2.0},
+        {"id": "e", "rank": 1, "error": "bad image", "t_done_s": 0.5},
+    ]
+    s = summarize(pa.Table.from_pylist(rows, schema=ROW_SCHEMA))
+    assert s["gpu_input_wait_s"] == pytest.approx(0.013)
+    assert "Idle waiting for input" in format_summary(s)
