@@ -62,9 +62,36 @@ class EngineConfig:
     prefix_cache_entries: int = 8
     compile_vit: bool = True
     compile_llm: bool = False  # regional torch.compile of the decoder layers (dynamic token count)
+    overlap_vit: bool = False  # run a batch's ViT on a side stream under the previous batch's decode (CUDA)
     vit_mode: str = "auto"
     vit_splits: int = 2
     attn_backend: str = "auto"  # "auto" | "sdpa" | "varlen"
+
+
+@dataclass
+class Encoded:
+    """The ViT work of one batch, possibly still running on a side stream until `done`."""
+
+    feats: list  # per request: [tiles*256, hidden] or None
+    hits: list[bool]
+    timer: _Timer
+    done: torch.cuda.Event | None
+
+
+@dataclass
+class Pending:
+    """A prefilled batch waiting for its decode steps."""
+
+    sampling: Sampling
+    cache: KVCache | None
+    tok: torch.Tensor
+    lens: torch.Tensor
+    gen: torch.Generator | None
+    out: list[list[int]]
+    first_token_s: float
+    encoded: Encoded
+    t_prefill: _Timer
+    stats: dict
 
 
 class _Timer:
@@ -135,6 +162,7 @@ class Engine:
         self.encode_fn = encode_fn or model.vision  # [tiles,3,S,S] -> [tiles, 256, hidden]
         self.image_cache: OrderedDict[str, torch.Tensor] = OrderedDict()
         self.prefix_cache: OrderedDict[str, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self.side: torch.cuda.Stream | None = None  # where the ViT runs under the previous batch's decode
         self.counters = {"image_cache_hits": 0, "prefix_cache_hits": 0, "prefix_tokens_reused": 0}
         for layer in model.llm.layers:
             layer.attn.backend = self.ecfg.attn_backend
@@ -259,11 +287,37 @@ class Engine:
     def _n_kv(self) -> int:
         return self.model.llm.layers[0].attn.n_kv
 
+    # ---- one batch: ViT (can run under the previous batch's decode), prefill, decode ------------------------
     @torch.inference_mode()
-    def run_batch(self, requests: list[Request], sampling: Sampling) -> BatchResult:
+    def encode_async(self, requests: list[Request]) -> Encoded:
+        """Start the ViT for `requests`. On CUDA it runs on a side stream, so it can overlap the decode of the
+        batch before; `prefill` waits for it on the device, not on the host."""
+        if self.device.type != "cuda" or not self.ecfg.overlap_vit:
+            with _Timer(self.device) as t:
+                feats, hits = self.encode(requests)
+            return Encoded(feats, hits, t, None)
+        main = torch.cuda.current_stream(self.device)
+        if self.side is None:
+            self.side = torch.cuda.Stream(self.device)
+        self.side.wait_stream(main)
+        with torch.cuda.stream(self.side):
+            with _Timer(self.device) as t:
+                feats, hits = self.encode(requests)
+            done = torch.cuda.Event()
+            done.record(self.side)
+        for f in feats:
+            if f is not None:
+                f.record_stream(main)  # used (and maybe cached) on the main stream
+        return Encoded(feats, hits, t, done)
+
+    @torch.inference_mode()
+    def prefill(self, requests: list[Request], sampling: Sampling, encoded: Encoded | None = None) -> Pending:
+        """ViT (unless started already) + packed prefill + the first token of every request."""
         dev = self.device
-        with _Timer(dev) as t_vit:
-            feats, hits = self.encode(requests)
+        encoded = encoded or self.encode_async(requests)
+        if encoded.done is not None:
+            torch.cuda.current_stream(dev).wait_event(encoded.done)
+        feats = encoded.feats
         prefix_lens = [0] * len(requests)
         prefixes: list | None = None
         ids = [r.input_ids for r in requests]
@@ -274,28 +328,40 @@ class Engine:
             gen = torch.Generator(device=dev).manual_seed(sampling.seed) if sampling.temperature > 0 else None
             tok = sample(logits, sampling.temperature, sampling.top_p, gen)
         first = tok.tolist()
-        first_s = time.perf_counter()
-        out = [[t] for t in first]
-        stops = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(self.eos))
-        done = [t in stops for t in first]
         lens = torch.tensor([p + int(t.shape[0]) for p, t in zip(prefix_lens, ids, strict=True)], device=dev)
-        rows = torch.arange(len(requests), device=dev)
+        return Pending(sampling, cache, tok, lens, gen, [[t] for t in first], time.perf_counter(), encoded,
+                       t_pre, {"cache_hit_image": encoded.hits, "cached_prefix_tokens": prefix_lens})  # fmt: skip
+
+    @torch.inference_mode()
+    def decode(self, p: Pending) -> BatchResult:
+        """The remaining tokens of a prefilled batch, all requests together."""
+        dev, s, out, tok, lens = self.device, p.sampling, p.out, p.tok, p.lens
+        stops = set(s.stop_token_ids) | (set() if s.ignore_eos else set(self.eos))
+        done = [o[0] in stops for o in out]
+        rows = torch.arange(len(out), device=dev)
         with _Timer(dev) as t_dec:
-            for _ in range(sampling.max_new_tokens - 1):
+            for _ in range(s.max_new_tokens - 1):
                 if all(done):
                     break
-                meta = AttnMeta(cu_seqlens=torch.arange(len(requests) + 1, device=dev, dtype=torch.int32),
+                meta = AttnMeta(cu_seqlens=torch.arange(len(out) + 1, device=dev, dtype=torch.int32),
                                 max_seqlen=1, slot_b=rows, slot_pos=lens, is_decode=True, kv_lens=lens + 1)  # fmt: skip
-                h = self.model.llm(self.model.llm.embed_tokens(tok), lens, meta, cache)
-                tok = sample(self.model.llm.logits(h), sampling.temperature, sampling.top_p, gen)
+                h = self.model.llm(self.model.llm.embed_tokens(tok), lens, meta, p.cache)
+                tok = sample(self.model.llm.logits(h), s.temperature, s.top_p, p.gen)
                 lens = lens + 1
                 for b, t in enumerate(tok.tolist()):
                     if not done[b]:
                         out[b].append(t)
                         done[b] = t in stops
         end_s = time.perf_counter()
-        stats = {"cache_hit_image": hits, "cached_prefix_tokens": prefix_lens}
-        return BatchResult(out, t_vit.elapsed(), t_pre.elapsed(), t_dec.elapsed(), first_s, end_s, stats)
+        p.cache = None  # free the batch's KV cache
+        vit_ms = p.encoded.timer.elapsed()
+        return BatchResult(
+            out, vit_ms, p.t_prefill.elapsed(), t_dec.elapsed(), p.first_token_s, end_s, p.stats
+        )
+
+    def run_batch(self, requests: list[Request], sampling: Sampling) -> BatchResult:
+        """ViT -> packed prefill -> decode for one batch."""
+        return self.decode(self.prefill(requests, sampling))
 
     def _use_prefix_cache(self, requests: list[Request], feats: list):
         """Split each request into a cached prefix (filled on first sight) and the new tokens after it."""

@@ -78,6 +78,8 @@ class EngineSpec:
     compile_vit: bool = True
     vit_mode: str = "auto"
     vit_splits: int = 2
+    compile_llm: bool = False  # not yet measured on a GPU: off by default
+    overlap_vit: bool = False  # not yet measured on a GPU: off by default
 
 
 @dataclass

@@ -276,7 +276,7 @@ class Runner:
     ) -> None:
         self.flow, self.write, self.t0, self.progress = flow, write, t0, progress
         self.batch_id = 0
-        self.last_end = t0  # when the engine last returned: the GPU waits for input from then on
+        self.last_end = t0  # when the engine last returned: from then on it waits for the next batch
         self.counts = {
             "rows": 0,
             "errors": 0,
@@ -297,9 +297,12 @@ class Runner:
         if prep is None:  # (not `prep or ...`: an idle Preparer has len 0)
             prep = Preparer(f.preprocessor, f.workers, f.prefetch)
         try:
+            pending = None  # the batch prefilled last, waiting for its decode
             for batch in pack(self._prepared(rows, done, prep), f.max_prefill_tokens, f.max_vit_tiles):
-                self._run_batch(batch)
+                pending = self._step(batch, pending)
                 self._flush_errors()
+            if pending is not None:
+                self._finish(*pending)
             self._flush_errors()
         finally:
             prep.close()
@@ -340,39 +343,82 @@ class Runner:
         while self.deferred and (first_open is None or self.deferred[0][0] < first_open):
             self._emit(self.deferred.popleft()[1])
 
-    def _run_batch(self, batch: list[Item]) -> None:
-        """One engine call; on an exception retry the rows one at a time, then give up on the failing ones."""
+    @staticmethod
+    def _requests(batch: list[Item]) -> list:
         from batchvl.engine import Request
 
-        f = self.flow
-        reqs = [
+        return [
             Request(torch.tensor(it.prepared.input_ids, dtype=torch.int64), it.prepared.pixel_values,
                     it.prepared.image_key)
             for it in batch
         ]  # fmt: skip
+
+    def _step(self, batch: list[Item], pending: tuple | None) -> tuple | None:
+        """Start this batch's ViT, finish the previous batch's decode while it runs, then prefill this batch.
+        Engines with only `run_batch` (no phases) run each batch whole."""
+        eng = self.flow.engine
+        if not hasattr(eng, "prefill"):
+            self._run_batch(batch)
+            return None
+        reqs = self._requests(batch)
+        wait_ms = max(0.0, time.perf_counter() - self.last_end) * 1e3  # the engine had nothing new to start
+        try:
+            encoded = eng.encode_async(reqs)
+        except Exception:  # noqa: BLE001 - raised again by prefill below, which retries the rows one by one
+            encoded = None
+        if pending is not None:
+            self._finish(*pending)
         t_batch = time.perf_counter()
         try:
-            res = f.engine.run_batch(reqs, f.sampling)
-            if len(res.output_ids) != len(batch):
-                raise RuntimeError(f"engine returned {len(res.output_ids)} outputs for {len(batch)} requests")
+            prefilled = eng.prefill(reqs, self.flow.sampling, encoded)
+        except Exception as e:  # noqa: BLE001
+            self._retry(batch, e)
+            return None
+        self.last_end = time.perf_counter()
+        return batch, t_batch, prefilled, wait_ms
+
+    def _finish(self, batch: list[Item], t_batch: float, prefilled: Any, wait_ms: float) -> None:
+        try:
+            res = self.flow.engine.decode(prefilled)
+        except Exception as e:  # noqa: BLE001
+            self._retry(batch, e)
+            return
+        self.last_end = time.perf_counter()
+        self._results(batch, t_batch, res, wait_ms)
+
+    def _run_batch(self, batch: list[Item]) -> None:
+        """One whole engine call; on an exception retry the rows one at a time, then give up on failing ones."""
+        t_batch = time.perf_counter()
+        wait_ms = max(0.0, t_batch - self.last_end) * 1e3
+        try:
+            res = self.flow.engine.run_batch(self._requests(batch), self.flow.sampling)
         except Exception as e:  # only the engine's failures: writer errors below stop the job
-            if len(batch) > 1:
-                log.warning(
-                    "engine failed on a batch of %d rows (%s); retrying them one by one", len(batch), e
-                )
-                for item in batch:
-                    self._run_batch([item])
-                return
-            log.warning("engine failed on row %s: %s: %s", batch[0].row.id, type(e).__name__, e)
-            batch[0].error = f"engine: {type(e).__name__}: {e}"
-            self.outstanding.discard(batch[0].row.index)
-            self._emit(self._error_row(batch[0]))
+            self._retry(batch, e)
+            return
+        self.last_end = time.perf_counter()
+        self._results(batch, t_batch, res, wait_ms)
+
+    def _retry(self, batch: list[Item], e: Exception) -> None:
+        if len(batch) > 1:
+            log.warning("engine failed on a batch of %d rows (%s); retrying them one by one", len(batch), e)
+            for item in batch:
+                self._run_batch([item])
+            return
+        log.warning("engine failed on row %s: %s: %s", batch[0].row.id, type(e).__name__, e)
+        batch[0].error = f"engine: {type(e).__name__}: {e}"
+        self.outstanding.discard(batch[0].row.index)
+        self._emit(self._error_row(batch[0]))
+
+    def _results(self, batch: list[Item], t_batch: float, res: Any, wait_ms: float) -> None:
+        if len(res.output_ids) != len(batch):
+            self._retry(
+                batch, RuntimeError(f"engine returned {len(res.output_ids)} outputs for {len(batch)}")
+            )
             return
         self.batch_id += 1
         self.counts["batches"] += 1
-        wait_ms, self.last_end = (t_batch - self.last_end) * 1e3, time.perf_counter()
         for i, it in enumerate(batch):
-            text = f.decode(res.output_ids[i])
+            text = self.flow.decode(res.output_ids[i])
             self.outstanding.discard(it.row.index)
             self._emit(result_row(it, self.t0, self.batch_id - 1, t_batch, res, i, text, wait_ms))
 

@@ -17,5 +17,5 @@ case $what in vit|all)
   timeout 280 python3 bench/vit.py --batches 16,64,128 --mode default --hf-mode default --budget-s 240 \
     2>&1 | tee "$out/vit.log" | grep -E 'tiles/s|floor|compile' | tail -30 ;; esac
 case $what in e2e|all)
-  timeout 420 python3 bench/e2e.py --n 500 --hf-n 32 --hf-batches 16 --modes nocache,cache,nocache+cllm,hf \
+  timeout 420 python3 bench/e2e.py --n 500 --hf-n 32 --hf-batches 16 --modes nocache,cache,nocache+cllm+overlap,hf \
     2>&1 | tee "$out/e2e.log" | grep -E 'compiled|stages|greedy|^\||ceiling' ;; esac

@@ -192,3 +192,51 @@ def test_runner_uses_the_preparer_started_early():
     written: list[dict] = []
     Runner(flow, written.append, t0=0.0).run(rows, prep=Counting(pre, 0, 4))  # an idle Preparer is falsy
     assert Counting.submitted == 3 and len(written) == 3
+
+
+class WholeBatchesOnly:
+    """The real engine seen through `run_batch` alone: the runner then runs every batch whole."""
+
+    def __init__(self, engine):
+        self.run_batch = engine.run_batch
+
+
+class FailingPrefill:
+    """The real engine's phases, with prefill failing for any batch holding `bad` (then it is retried alone)."""
+
+    def __init__(self, engine, bad: int):
+        self.engine, self.bad, self.failures = engine, bad, 0
+        self.encode_async, self.decode, self.run_batch = engine.encode_async, engine.decode, engine.run_batch
+
+    def prefill(self, requests, sampling, encoded=None):
+        if any(bool((r.input_ids == self.bad).any()) for r in requests):
+            self.failures += 1
+            raise RuntimeError("prefill failure")
+        return self.engine.prefill(requests, sampling, encoded)
+
+
+def test_overlapped_phases_equal_whole_batches(bad_rows_jsonl, tokenizer, tmp_path):
+    """ViT of batch n started before batch n-1's decode (phased engine) gives the rows of whole batches."""
+    from batchvl.engine import Engine
+    from batchvl.model.loader import random_model
+
+    model, cfg = random_model("tiny-qwen2", seed=0)
+    rows = [r for r in _rows(bad_rows_jsonl) if r.id not in ("boom",) and r.error is None]
+
+    def run(engine, out):
+        flow = Flow(engine, Preprocessor(PCFG), lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                    Sampling(max_new_tokens=3, ignore_eos=True), max_prefill_tokens=1200, max_vit_tiles=4)  # fmt: skip
+        writer = PartWriter(out, rank=0, rows_per_part=100)
+        Runner(flow, writer.add, t0=0.0).run(rows)
+        writer.close()
+        return {r["id"]: (r["output_token_ids"], r["error"]) for r in read_rows(out).to_pylist()}
+
+    whole = run(WholeBatchesOnly(Engine(model, cfg)), tmp_path / "whole")
+    phased = run(Engine(model, cfg), tmp_path / "phased")
+    assert phased == whole
+    assert sum(err is None for _, err in whole.values()) >= 4
+    bad = tokenizer.encode("The job goes on.", add_special_tokens=False)[0]
+    flaky = FailingPrefill(Engine(model, cfg), bad)
+    failing = run(flaky, tmp_path / "failing")
+    assert flaky.failures >= 1  # the batch holding that row failed in prefill ...
+    assert failing == whole  # ... and its rows, retried one by one (whole), came out the same
