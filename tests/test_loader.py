@@ -138,3 +138,24 @@ def test_random_weights_are_seeded_and_nonzero():
         assert torch.equal(x, y), k
         assert not torch.equal(x, z), k
         assert x.abs().sum() > 0 and torch.isfinite(x).all(), k
+
+
+def test_model_prefixed_transformers_layout(hf_model_dir, tmp_path):
+    """The `model.vision_tower.* / model.language_model.* / lm_head` variant loads to the same weights."""
+
+    def rekey(sd):
+        for k in list(sd):
+            t = sd.pop(k)
+            if k.startswith("language_model.model."):
+                k = "model.language_model." + k[len("language_model.model.") :]
+            elif k == "language_model.lm_head.weight":
+                k = "lm_head.weight"
+            else:
+                k = "model." + k
+            sd[k] = t
+
+    d, _ = hf_model_dir
+    b, _ = load_model(_edit_checkpoint(d, tmp_path / "prefixed", rekey))
+    a, _ = load_model(d)
+    for (k, x), y in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
+        torch.testing.assert_close(x, y, atol=0, rtol=0, msg=k)
