@@ -237,7 +237,7 @@ class Engine:
                 for i in todo[k]:
                     feats[i] = f
                 if use_cache and not k.startswith("#"):
-                    self.image_cache[k] = f
+                    self.image_cache[k] = f.clone()  # not a view: it would keep the batch's features alive
                     while len(self.image_cache) > self.ecfg.image_cache_entries:
                         self.image_cache.popitem(last=False)
         return feats, hits
@@ -338,26 +338,31 @@ class Engine:
         dev, s, out, tok, lens = self.device, p.sampling, p.out, p.tok, p.lens
         stops = set(s.stop_token_ids) | (set() if s.ignore_eos else set(self.eos))
         done = [o[0] in stops for o in out]
+        done_s = [p.first_token_s if d else None for d in done]  # when each request got its last token
         rows = torch.arange(len(out), device=dev)
-        with _Timer(dev) as t_dec:
-            for _ in range(s.max_new_tokens - 1):
-                if all(done):
-                    break
-                meta = AttnMeta(cu_seqlens=torch.arange(len(out) + 1, device=dev, dtype=torch.int32),
-                                max_seqlen=1, slot_b=rows, slot_pos=lens, is_decode=True, kv_lens=lens + 1)  # fmt: skip
-                h = self.model.llm(self.model.llm.embed_tokens(tok), lens, meta, p.cache)
-                tok = sample(self.model.llm.logits(h), s.temperature, s.top_p, p.gen)
-                lens = lens + 1
-                for b, t in enumerate(tok.tolist()):
-                    if not done[b]:
-                        out[b].append(t)
-                        done[b] = t in stops
+        try:
+            with _Timer(dev) as t_dec:
+                for _ in range(s.max_new_tokens - 1):
+                    if all(done):
+                        break
+                    meta = AttnMeta(cu_seqlens=torch.arange(len(out) + 1, device=dev, dtype=torch.int32),
+                                    max_seqlen=1, slot_b=rows, slot_pos=lens, is_decode=True, kv_lens=lens + 1)  # fmt: skip
+                    h = self.model.llm(self.model.llm.embed_tokens(tok), lens, meta, p.cache)
+                    tok = sample(self.model.llm.logits(h), s.temperature, s.top_p, p.gen)
+                    lens = lens + 1
+                    now = None
+                    for b, t in enumerate(tok.tolist()):
+                        if not done[b]:
+                            out[b].append(t)
+                            done[b] = t in stops
+                            if done[b]:
+                                done_s[b] = now = now or time.perf_counter()
+        finally:
+            p.cache = None  # free the batch's KV cache, also when a step failed
         end_s = time.perf_counter()
-        p.cache = None  # free the batch's KV cache
+        stats = {**p.stats, "done_s": [d if d is not None else end_s for d in done_s]}
         vit_ms = p.encoded.timer.elapsed()
-        return BatchResult(
-            out, vit_ms, p.t_prefill.elapsed(), t_dec.elapsed(), p.first_token_s, end_s, p.stats
-        )
+        return BatchResult(out, vit_ms, p.t_prefill.elapsed(), t_dec.elapsed(), p.first_token_s, end_s, stats)
 
     def run_batch(self, requests: list[Request], sampling: Sampling) -> BatchResult:
         """ViT -> packed prefill -> decode for one batch."""
@@ -369,7 +374,8 @@ class Engine:
         missing: dict[str, tuple[str, torch.Tensor, torch.Tensor]] = {}
         for r, f in zip(requests, feats, strict=True):
             p = self._prefix_len(r.input_ids)
-            if p == 0 or p >= r.input_ids.shape[0]:
+            if p == 0 or p >= r.input_ids.shape[0] or (r.pixel_values is not None and r.image_key is None):
+                # (an image without a content key cannot be told apart from another: no reuse)
                 keys.append(None)
                 plens.append(0)
                 continue

@@ -190,6 +190,10 @@ def pack(items: Iterable[Item], max_tokens: int, max_tiles: int) -> Iterator[lis
 # ---------------------------------------------------------------- rows
 
 
+def _why(e: Exception) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
 def _ms(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else (b - a) * 1e3
 
@@ -229,7 +233,9 @@ def result_row(
     out = [int(t) for t in res.output_ids[i]]
     stats = res.stats or {}
     hits, cached = stats.get("cache_hit_image"), stats.get("cached_prefix_tokens")
-    t_first, t_done = res.first_token_s - t0, res.end_s - t0
+    done_s = stats.get("done_s")
+    t_first = res.first_token_s - t0
+    t_done = (done_s[i] if isinstance(done_s, list) else res.end_s) - t0  # early EOS finishes a row early
     return {
         **base_row(item, t0),
         "batch_id": batch_id,
@@ -357,7 +363,9 @@ class Runner:
         """Start this batch's ViT, finish the previous batch's decode while it runs, then prefill this batch.
         Engines with only `run_batch` (no phases) run each batch whole."""
         eng = self.flow.engine
-        if not hasattr(eng, "prefill"):
+        if not getattr(getattr(eng, "ecfg", None), "overlap_vit", False):  # nothing to overlap: run it whole
+            if pending is not None:
+                self._finish(*pending)
             self._run_batch(batch)
             return None
         reqs = self._requests(batch)
@@ -372,7 +380,11 @@ class Runner:
         try:
             prefilled = eng.prefill(reqs, self.flow.sampling, encoded)
         except Exception as e:  # noqa: BLE001
-            self._retry(batch, e)
+            why = _why(e)  # keep the message only: the traceback would keep the batch's tensors alive
+        else:
+            why = None
+        if why is not None:
+            self._retry(batch, why)
             return None
         self.last_end = time.perf_counter()
         return batch, t_batch, prefilled, wait_ms
@@ -381,7 +393,11 @@ class Runner:
         try:
             res = self.flow.engine.decode(prefilled)
         except Exception as e:  # noqa: BLE001
-            self._retry(batch, e)
+            why = _why(e)
+        else:
+            why = None
+        if why is not None:
+            self._retry(batch, why)
             return
         self.last_end = time.perf_counter()
         self._results(batch, t_batch, res, wait_ms)
@@ -393,19 +409,23 @@ class Runner:
         try:
             res = self.flow.engine.run_batch(self._requests(batch), self.flow.sampling)
         except Exception as e:  # only the engine's failures: writer errors below stop the job
-            self._retry(batch, e)
+            why = _why(e)
+        else:
+            why = None
+        if why is not None:
+            self._retry(batch, why)
             return
         self.last_end = time.perf_counter()
         self._results(batch, t_batch, res, wait_ms)
 
-    def _retry(self, batch: list[Item], e: Exception) -> None:
+    def _retry(self, batch: list[Item], why: str) -> None:
         if len(batch) > 1:
-            log.warning("engine failed on a batch of %d rows (%s); retrying them one by one", len(batch), e)
+            log.warning("engine failed on a batch of %d rows (%s); retrying them one by one", len(batch), why)
             for item in batch:
                 self._run_batch([item])
             return
-        log.warning("engine failed on row %s: %s: %s", batch[0].row.id, type(e).__name__, e)
-        batch[0].error = f"engine: {type(e).__name__}: {e}"
+        log.warning("engine failed on row %s: %s", batch[0].row.id, why)
+        batch[0].error = f"engine: {why}"
         self.outstanding.discard(batch[0].row.index)
         self._emit(self._error_row(batch[0]))
 

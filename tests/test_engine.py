@@ -118,3 +118,29 @@ def test_batch_bytes_grows_with_the_budget_and_counts_the_kv_cache():
     a, b = eng.batch_bytes(4096, 4), eng.batch_bytes(8192, 4)
     assert b > a >= 4096 * kv
     eng.check_memory(10**9, 4)  # CPU: nothing to check, no error
+
+
+def test_prefix_cache_never_shares_between_images_without_a_key():
+    """Two different images with the same prompt and no content key must not share a cached prefix."""
+    model, cfg = _model()
+    a, b = _request(1, [5, 6, 7]), _request(2, [5, 6, 7])
+    a.image_key = b.image_key = None
+    s = Sampling(max_new_tokens=3, ignore_eos=True)
+    plain = Engine(model, cfg).run_batch([a, b], s)
+    cached = Engine(model, cfg, EngineConfig(prefix_cache=True, image_cache=True)).run_batch([a, b], s)
+    assert cached.output_ids == plain.output_ids
+    assert cached.stats["cached_prefix_tokens"] == [0, 0]
+
+
+def test_rows_that_stop_early_finish_early():
+    model, cfg = _model()
+    eng = Engine(model, cfg, EngineConfig())
+    reqs = _requests()[:2]
+    free = eng.run_batch(reqs, Sampling(max_new_tokens=5, ignore_eos=True)).output_ids
+    eng.eos = (free[0][1],)  # row 0 stops at its second token
+    res = eng.run_batch(reqs, Sampling(max_new_tokens=5))
+    assert res.output_ids[0] == free[0][:2]
+    done = res.stats["done_s"]
+    assert res.first_token_s <= done[0] <= res.end_s and done[1] <= res.end_s
+    if len(res.output_ids[1]) == 5:
+        assert done[0] <= done[1]

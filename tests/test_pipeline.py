@@ -205,7 +205,7 @@ class FailingPrefill:
     """The real engine's phases, with prefill failing for any batch holding `bad` (then it is retried alone)."""
 
     def __init__(self, engine, bad: int):
-        self.engine, self.bad, self.failures = engine, bad, 0
+        self.engine, self.bad, self.failures, self.ecfg = engine, bad, 0, engine.ecfg
         self.encode_async, self.decode, self.run_batch = engine.encode_async, engine.decode, engine.run_batch
 
     def prefill(self, requests, sampling, encoded=None):
@@ -217,7 +217,7 @@ class FailingPrefill:
 
 def test_overlapped_phases_equal_whole_batches(bad_rows_jsonl, tokenizer, tmp_path):
     """ViT of batch n started before batch n-1's decode (phased engine) gives the rows of whole batches."""
-    from batchvl.engine import Engine
+    from batchvl.engine import Engine, EngineConfig
     from batchvl.model.loader import random_model
 
     model, cfg = random_model("tiny-qwen2", seed=0)
@@ -232,11 +232,11 @@ def test_overlapped_phases_equal_whole_batches(bad_rows_jsonl, tokenizer, tmp_pa
         return {r["id"]: (r["output_token_ids"], r["error"]) for r in read_rows(out).to_pylist()}
 
     whole = run(WholeBatchesOnly(Engine(model, cfg)), tmp_path / "whole")
-    phased = run(Engine(model, cfg), tmp_path / "phased")
+    phased = run(Engine(model, cfg, EngineConfig(overlap_vit=True)), tmp_path / "phased")
     assert phased == whole
     assert sum(err is None for _, err in whole.values()) >= 4
     bad = tokenizer.encode("The job goes on.", add_special_tokens=False)[0]
-    flaky = FailingPrefill(Engine(model, cfg), bad)
+    flaky = FailingPrefill(Engine(model, cfg, EngineConfig(overlap_vit=True)), bad)
     failing = run(flaky, tmp_path / "failing")
     assert flaky.failures >= 1  # the batch holding that row failed in prefill ...
     assert failing == whole  # ... and its rows, retried one by one (whole), came out the same

@@ -44,8 +44,14 @@ _VARLEN = _varlen_fn()
 _VARLEN_PARAMS = set(inspect.signature(_VARLEN).parameters) if _VARLEN is not None else set()
 
 
-def varlen_available(device: torch.device) -> bool:
-    return _VARLEN is not None and device.type == "cuda"
+def varlen_available(x: torch.Tensor) -> bool:
+    """Flash varlen runs on CUDA for fp16/bf16 with head_dim <= 256; anything else takes the SDPA path."""
+    return (
+        _VARLEN is not None
+        and x.is_cuda
+        and x.dtype in (torch.float16, torch.bfloat16)
+        and x.shape[-1] <= 256
+    )
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask=None) -> torch.Tensor:

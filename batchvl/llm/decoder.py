@@ -88,7 +88,7 @@ class Attention(nn.Module):
         if meta.is_decode:
             o = decode_attention(q, kc, vc, meta.kv_lens)
         else:
-            if self.backend == "varlen" or (self.backend == "auto" and varlen_available(x.device)):
+            if self.backend == "varlen" or (self.backend == "auto" and varlen_available(q)):
                 o = prefill_varlen(q, k, v, meta, kc, vc)
             else:
                 o = prefill_sdpa(q, k, v, meta, kc, vc)

@@ -232,7 +232,10 @@ def load_model(
             )
         with torch.no_grad():
             p.copy_(t.to(device=device, dtype=dtype))
-    unexpected = sorted(keys - used - _IGNORED(keys))
+    ignored = _IGNORED(keys)
+    if cfg.llm.tie_word_embeddings:  # a tied head some checkpoints still ship: the embedding is used
+        ignored |= {k for k in keys if k in ("lm_head.weight", "language_model.lm_head.weight")}
+    unexpected = sorted(keys - used - ignored)
     if unexpected:
         raise CheckpointError(f"unexpected tensors in {path}: {', '.join(unexpected[:8])}" +
                               (f" (+{len(unexpected) - 8} more)" if len(unexpected) > 8 else ""))  # fmt: skip
