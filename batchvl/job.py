@@ -76,6 +76,7 @@ class EngineSpec:
     image_cache: bool = False
     prefix_cache: bool = False
     compile_vit: bool = True
+    vit_compile_mode: str = "default"
     vit_mode: str = "auto"
     vit_splits: int = 2
     compile_llm: bool = False  # not yet measured on a GPU: off by default
@@ -286,6 +287,8 @@ def _validate(job: Job) -> None:
     _at_least(pp.workers, 0, "job.preprocess.workers")
     for k in ("max_prefill_tokens", "max_vit_tiles", "vit_splits"):
         _at_least(getattr(e, k), 1, f"job.engine.{k}")
+    _choice(e.vit_mode, ("auto", "tp", "dp"), "job.engine.vit_mode")
+    _choice(e.vit_compile_mode, ("default", "max-autotune-no-cudagraphs"), "job.engine.vit_compile_mode")
     _at_least(g.max_new_tokens, 1, "job.generation.max_new_tokens")
     _at_least(g.temperature, 0, "job.generation.temperature")
     if not 0 < g.top_p <= 1:

@@ -116,7 +116,11 @@ def vision_encoder(model: Any, cfg: InternVLConfig, ecfg: Any, ctx: dist.DistCon
     from batchvl.encoder.internvit_compiled import compile_encoder
     from batchvl.encoder.split_overlap import DPVisionEncoder, TPVisionEncoder, choose_vit_mode
 
-    compiled = compile_encoder(model.vision, max_tiles=ecfg.max_vit_tiles) if ecfg.compile_vit else None
+    compiled = (
+        compile_encoder(model.vision, mode=ecfg.vit_compile_mode, max_tiles=ecfg.max_vit_tiles)
+        if ecfg.compile_vit
+        else None
+    )
     if ctx is None or ctx.tp <= 1:
         return compiled or model.vision
     mode = ecfg.vit_mode
@@ -238,6 +242,11 @@ def run_job(
     finally:
         prep.close()
     log.info("rank done in %.1f s: %s", duration, counts)
+    compile_stats = getattr(getattr(engine, "encode_fn", None), "stats", None)
+    if compile_stats is not None:
+        counts = counts | {"vit_compile": compile_stats.summary()}
+        log.info("%s", counts["vit_compile"])
+    counts = counts | dict(getattr(engine, "counters", {}))  # cache hits
     all_counts = dist.all_gather_object(ctx, counts)
     dist.barrier(ctx)
     if not ctx.is_main:

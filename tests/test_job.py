@@ -210,3 +210,9 @@ def test_hf_path_may_be_a_local_dir_or_a_cached_dataset_name(tmp_path, files):
     d["data"]["path"] = str(tmp_path / "no" / "such" / "dir")
     with pytest.raises(JobError, match=r"^job\.data\.path: .* is not a directory"):
         load_job(write_job(tmp_path, d))
+
+
+def test_engine_choices_are_checked(tmp_path):
+    for key, bad in (("engine.vit_mode", "sideways"), ("engine.vit_compile_mode", "turbo")):
+        with pytest.raises(JobError, match=f"job.{key}"):
+            load_job(REPO / "jobs/demo.yaml", [f"{key}={bad}", f"output.dir={tmp_path}"])
