@@ -61,9 +61,7 @@ class EngineConfig:
     prefix_cache: bool = False
     prefix_cache_entries: int = 8
     compile_vit: bool = True
-    vit_compile_mode: str = (
-        "default"  # or "max-autotune-no-cudagraphs": +11% ViT on an H200, ~2 min per bucket
-    )
+    vit_compile_mode: str = "default"  # or "max-autotune-no-cudagraphs" (slower to compile)
     compile_llm: bool = False  # regional torch.compile of the decoder layers (dynamic token count)
     overlap_vit: bool = False  # run a batch's ViT on a side stream under the previous batch's decode (CUDA)
     vit_mode: str = "auto"
