@@ -112,11 +112,13 @@ def test_torchrun_two_replicas_match_one_process(demo_run, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_torchrun_tensor_parallel_matches_one_process(demo_run, tmp_path):
+@pytest.mark.parametrize("vit_mode", ["tp", "dp"])
+def test_torchrun_tensor_parallel_matches_one_process(demo_run, tmp_path, vit_mode):
+    """LLM tensor-parallel over 2 ranks, with the ViT tensor-parallel (split-batch overlap) or data-parallel."""
     single, _ = demo_run
     out = tmp_path / "run"
     cmd = ["torchrun", "--standalone", "--nproc-per-node", "2", "-m", "batchvl.runner", "jobs/demo.yaml",
-           "--set", f"output.dir={out}", "--set", "model.tp=2"]  # fmt: skip
+           "--set", f"output.dir={out}", "--set", "model.tp=2", "--set", f"engine.vit_mode={vit_mode}"]  # fmt: skip
     p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     assert sorted(f.name.split("-")[1] for f in out.glob("part-*.parquet")) == ["00000"] * 2  # one writer
