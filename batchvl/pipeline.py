@@ -190,8 +190,13 @@ def pack(items: Iterable[Item], max_tokens: int, max_tiles: int) -> Iterator[lis
 # ---------------------------------------------------------------- rows
 
 
-def _why(e: Exception) -> str:
-    return f"{type(e).__name__}: {e}"
+def _attempt(fn: Callable, *args: Any) -> tuple[Any, str | None]:
+    """(fn(*args), None), or (None, why) when the engine failed. Only the message is kept: the traceback would
+    keep the failed batch's tensors (KV cache, activations) alive through the one-by-one retries."""
+    try:
+        return fn(*args), None
+    except Exception as e:  # noqa: BLE001 - only engine calls come here; writer errors stop the job
+        return None, f"{type(e).__name__}: {e}"
 
 
 def _ms(a: float | None, b: float | None) -> float | None:
@@ -377,12 +382,7 @@ class Runner:
         if pending is not None:
             self._finish(*pending)
         t_batch = time.perf_counter()
-        try:
-            prefilled = eng.prefill(reqs, self.flow.sampling, encoded)
-        except Exception as e:  # noqa: BLE001
-            why = _why(e)  # keep the message only: the traceback would keep the batch's tensors alive
-        else:
-            why = None
+        prefilled, why = _attempt(eng.prefill, reqs, self.flow.sampling, encoded)
         if why is not None:
             self._retry(batch, why)
             return None
@@ -390,12 +390,7 @@ class Runner:
         return batch, t_batch, prefilled, wait_ms
 
     def _finish(self, batch: list[Item], t_batch: float, prefilled: Any, wait_ms: float) -> None:
-        try:
-            res = self.flow.engine.decode(prefilled)
-        except Exception as e:  # noqa: BLE001
-            why = _why(e)
-        else:
-            why = None
+        res, why = _attempt(self.flow.engine.decode, prefilled)
         if why is not None:
             self._retry(batch, why)
             return
@@ -406,12 +401,7 @@ class Runner:
         """One whole engine call; on an exception retry the rows one at a time, then give up on failing ones."""
         t_batch = time.perf_counter()
         wait_ms = max(0.0, t_batch - self.last_end) * 1e3
-        try:
-            res = self.flow.engine.run_batch(self._requests(batch), self.flow.sampling)
-        except Exception as e:  # only the engine's failures: writer errors below stop the job
-            why = _why(e)
-        else:
-            why = None
+        res, why = _attempt(self.flow.engine.run_batch, self._requests(batch), self.flow.sampling)
         if why is not None:
             self._retry(batch, why)
             return
