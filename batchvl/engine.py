@@ -175,9 +175,7 @@ class Engine:
         LLM and ViT activations (the MLP's gate/up output dominates)."""
         c, v, el = self.cfg.llm, self.cfg.vision, torch.empty((), dtype=self.dtype).element_size()
         kv = KVCache.bytes_per_token(c.num_layers, self._n_kv(), c.head_dim, self.dtype)
-        kv_all = kv * (
-            max_tokens + max_tokens // 64 * max_new_tokens
-        )  # rows padded to the longest: be generous
+        kv_all = kv * (max_tokens + max_tokens // 64 * max_new_tokens)  # decode room; rows are padded too
         llm_act = max_tokens * (3 * c.intermediate_size + 6 * c.hidden_size) * el
         vit_act = (
             self.ecfg.max_vit_tiles * (v.num_patches + 1) * (2 * v.intermediate_size + 6 * v.hidden_size) * el
@@ -202,9 +200,10 @@ class Engine:
     # ---- ViT -------------------------------------------------------------------------------------------------
     def _encode_tiles(self, tiles: list[torch.Tensor]) -> torch.Tensor:
         """Tiles of several requests (CPU) -> [N, 256, hidden] on device, in chunks of max_vit_tiles."""
-        px = torch.cat([t.to(self.device, non_blocking=True) for t in tiles]).to(
-            self.dtype
-        )  # cat on the device
+        px = torch.cat(
+            [t.to(self.device, non_blocking=True) for t in tiles]
+        )  # cat on the device, not the host
+        px = px.to(self.dtype)
         step = self.ecfg.max_vit_tiles
         return torch.cat([self.encode_fn(px[i : i + step]) for i in range(0, px.shape[0], step)])
 
@@ -254,7 +253,7 @@ class Engine:
         return hashlib.blake2b(ids.numpy().tobytes() + (image_key or "").encode(), digest_size=16).hexdigest()
 
     def _fill_prefixes(self, items: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
-        """Prefill each missing prefix alone and keep its KV [layers, P, kv_heads, head_dim]."""
+        """Prefill each missing prefix alone and keep its KV, [layers, kv_heads, P, head_dim] each."""
         ids = [t for _, t, _ in items]
         feats = [f for _, _, f in items]
         cache = self._prefill(ids, feats, [0] * len(ids), None, extra=0)[1]
