@@ -70,14 +70,14 @@ def hf_config(cfg: InternVLConfig, attn: str = "sdpa"):
     from transformers import InternVLConfig as HFConfig
 
     v, c = cfg.vision, cfg.llm
-    if c.arch != "qwen2":
-        raise ValueError("the transformers reference covers Qwen2 LLMs (InternLM2 is remote code only)")
+    # InternLM2 is remote code in transformers; once wqkv is unpacked it is exactly Llama
+    text_type = "qwen2" if c.arch == "qwen2" else "llama"
     hf = HFConfig(
         vision_config=dict(hidden_size=v.hidden_size, num_hidden_layers=v.num_layers, num_attention_heads=v.num_heads,
                            intermediate_size=v.intermediate_size, norm_type=v.norm_type,
                            use_qk_norm=v.qk_normalization, attention_bias=v.qkv_bias, layer_norm_eps=v.layer_norm_eps,
                            image_size=v.image_size, patch_size=v.patch_size),
-        text_config=dict(model_type="qwen2", vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+        text_config=dict(model_type=text_type, vocab_size=c.vocab_size, hidden_size=c.hidden_size,
                          num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
                          num_key_value_heads=c.num_kv_heads, intermediate_size=c.intermediate_size,
                          rope_theta=c.rope_theta, rms_norm_eps=c.rms_norm_eps,
@@ -104,7 +104,7 @@ def hf_sharing_weights(model, cfg: InternVLConfig, attn: str = "sdpa"):
         hf = InternVLForConditionalGeneration(hf_config(cfg, attn))
     shapes = {k: v.shape for k, v in hf.named_parameters()}
     ours = dict(model.named_parameters())
-    for name, r in plan(model, set(shapes)).items():
+    for name, r in plan(model, set(shapes), llm_arch="qwen2").items():
         t, start = ours[name].detach(), 0
         for src in r.sources:
             n = shapes[src][0] if r.combine == "cat" else t.shape[0]

@@ -35,6 +35,7 @@ from batchvl.output import format_summary, summarize  # noqa: E402
 from batchvl.preprocess import PreprocessConfig, Preprocessor  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+QWEN_IMG_CONTEXT = 151667  # <IMG_CONTEXT> of the bundled Qwen tokenizer
 
 
 def data_dir() -> Path:
@@ -175,6 +176,9 @@ def main() -> None:
     t = time.perf_counter()
     model, cfg = random_model(a.preset, dev, dtype, seed=0)
     print(f"random {a.preset} weights drawn on {dev} in {time.perf_counter() - t:.1f}s", flush=True)
+    if cfg.image_token_id != QWEN_IMG_CONTEXT:  # InternLM2 vocabulary: same shapes, ids moved into its range
+        for p in prepared:
+            p.input_ids = [cfg.image_token_id if i == QWEN_IMG_CONTEXT else i % 92000 for i in p.input_ids]
     flops = sum(request_flops(cfg, p.num_tiles, len(p.input_ids), a.new_tokens) for p in prepared)
     encode_fn = None
     if a.compile_vit:

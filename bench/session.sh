@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The GPU runs that belong together, one step per device call (each bounded to fit one call's 600 s).
 # Usage on the device (after ../shared/tools/device-prep here; carry .whl and .data):
-#   bash bench/session.sh parity|vit|e2e|e2e-fast
+#   bash bench/session.sh parity|vit|e2e|e2e-fast|e2e-8b
 # Full logs land in $OUT (when set); each step ends with the table to copy into bench/RESULTS.md.
 set -u
-what=${1:?parity|vit|e2e|e2e-fast}
+what=${1:?parity|vit|e2e|e2e-fast|e2e-8b}
 out=${OUT:-/tmp}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
@@ -23,4 +23,7 @@ e2e-fast)  # the unmeasured options: compiled LLM layers, ViT under the previous
   timeout 560 python3 bench/e2e.py --n 500 --hf-n 16 --hf-batches 16 \
     --modes nocache+cllm+overlap,cache+cllm+overlap,hf 2>&1 | tee "$out/e2e_fast.log" \
     | grep -E 'compiled|stages|greedy|^\||ceiling' ;;
+e2e-8b)  # InternViT-300M + InternLM2.5-7B shapes (transformers runs the LLM as Llama, which it is once unpacked)
+  timeout 560 python3 bench/e2e.py --preset internvl2_5-8b --n 500 --hf-n 64 --hf-batches 16,32 --budget 65536 \
+    --modes nocache,hf 2>&1 | tee "$out/e2e_8b.log" | grep -E 'compiled|stages|greedy|^\||ceiling' ;;
 esac

@@ -108,13 +108,14 @@ def detect_layout(keys: set[str]) -> tuple[str, str, str]:
     raise CheckpointError("unrecognised checkpoint layout: no vision_model.* or vision_tower.* tensors")
 
 
-def plan(model: InternVL, keys: set[str]) -> dict[str, Recipe]:
-    """Our parameter name -> where its tensor comes from."""
+def plan(model: InternVL, keys: set[str], llm_arch: str | None = None) -> dict[str, Recipe]:
+    """Our parameter name -> where its tensor comes from. `llm_arch` overrides the key names of the LLM
+    (e.g. "qwen2" names for an InternLM2 decoder held as transformers' Llama)."""
     layout, prefix, head = detect_layout(keys)
     strip = "model." if layout == "transformers-model" else ""
     rules = [(re.compile(p), [strip + s if not s.startswith(prefix) else s for s in src])
              for p, src in _vision_rules("opengvlab" if layout == "opengvlab" else "transformers")]  # fmt: skip
-    rules += [(re.compile(p), list(src)) for p, src in _llm_rules(model.cfg.llm.arch, prefix, head)]
+    rules += [(re.compile(p), list(src)) for p, src in _llm_rules(llm_arch or model.cfg.llm.arch, prefix, head)]
     out = {}
     for name, _ in model.named_parameters(remove_duplicate=True):
         for rx, src in rules:
