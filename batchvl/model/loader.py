@@ -115,7 +115,9 @@ def plan(model: InternVL, keys: set[str], llm_arch: str | None = None) -> dict[s
     strip = "model." if layout == "transformers-model" else ""
     rules = [(re.compile(p), [strip + s if not s.startswith(prefix) else s for s in src])
              for p, src in _vision_rules("opengvlab" if layout == "opengvlab" else "transformers")]  # fmt: skip
-    rules += [(re.compile(p), list(src)) for p, src in _llm_rules(llm_arch or model.cfg.llm.arch, prefix, head)]
+    rules += [
+        (re.compile(p), list(src)) for p, src in _llm_rules(llm_arch or model.cfg.llm.arch, prefix, head)
+    ]
     out = {}
     for name, _ in model.named_parameters(remove_duplicate=True):
         for rx, src in rules:

@@ -1,0 +1,26 @@
+"""The GPU bench scripts still run (CPU smoke mode), so a device call is never spent on a broken script."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", ["e2e.py", "vit.py"])
+def test_bench_smoke(script):
+    data = [REPO / ".data", REPO.parent / "shared" / "data"]
+    if script == "e2e.py" and not any((d / "tiger.jpeg").is_file() for d in data):
+        pytest.skip("e2e needs tiger.jpeg and the ShareGPT sample (../shared/data)")
+    p = subprocess.run([sys.executable, str(REPO / "bench" / script), "--smoke"], cwd=REPO, capture_output=True,
+                       text=True, timeout=600)  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    if script == "e2e.py":  # same greedy tokens as transformers on the tiny model, both engine modes
+        assert "greedy tokens batchvl nocache == transformers b=2: 16/16" in p.stdout
+        assert "greedy tokens batchvl cache == transformers b=2: 16/16" in p.stdout
+    assert "|" in p.stdout  # the table
