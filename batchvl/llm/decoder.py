@@ -55,10 +55,10 @@ class Rotary(nn.Module):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, head_dim]."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    rot = torch.cat([-x2, x1], dim=-1)
-    return (x.float() * cos + rot * sin).to(x.dtype)
+    """x [T, heads, head_dim], rotated in fp32."""
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    return (xf * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)
 
 
 class Attention(nn.Module):
