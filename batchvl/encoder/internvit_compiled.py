@@ -173,7 +173,12 @@ def _cache_settings(cache_dir: str | None) -> dict[str, object]:
 
 
 class CompiledEncoder:
-    """Callable tiles -> tokens: bucket-padded, per-layer compiled fast forward of one VisionEncoder."""
+    """Callable tiles -> tokens: bucket-padded, per-layer compiled fast forward of one VisionEncoder.
+
+    mode: "default" or "max-autotune-no-cudagraphs"; `.stats` for the log. Tile counts are padded up to
+    `buckets` (default: `default_buckets(max_tiles)`); larger calls run in chunks of the largest bucket.
+    `cache_dir` sets TORCHINDUCTOR_CACHE_DIR (if unset) for the FX/AOT/autotune caches.
+    """
 
     def __init__(
         self,
@@ -239,21 +244,7 @@ class CompiledEncoder:
         return self.stats
 
 
-def compile_encoder(
-    enc: VisionEncoder,
-    mode: str = "default",
-    dynamic: bool = False,
-    max_tiles: int = 128,
-    buckets: list[int] | None = None,
-    attn_backend: str = "auto",
-    cache_dir: str | None = None,
-) -> CompiledEncoder:
-    """Compiled tiles -> tokens callable; mode "default" or "max-autotune-no-cudagraphs"; `.stats` for the log.
-
-    Tile counts are padded up to `buckets` (default: `default_buckets(max_tiles)`); larger calls run in chunks
-    of the largest bucket. `cache_dir` sets TORCHINDUCTOR_CACHE_DIR (if unset) for the FX/AOT/autotune caches.
-    """
-    return CompiledEncoder(enc, mode, dynamic, max_tiles, buckets, attn_backend, cache_dir)
+compile_encoder = CompiledEncoder  # the call site's one line: `encode = compile_encoder(model.vision, ...)`
 
 
 def padded_fraction(n: int, buckets: list[int]) -> float:
