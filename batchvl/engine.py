@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 import torch
 
 from batchvl.llm.attention import AttnMeta
-from batchvl.llm.kv_cache import KVCache
+from batchvl.llm.decode_step import DecodeStep, round_up
+from batchvl.llm.kv_cache import KVArena, KVCache
 from batchvl.llm.sampling import sample
 from batchvl.model.config import InternVLConfig
 from batchvl.model.internvl import InternVL
@@ -64,6 +65,9 @@ class EngineConfig:
     vit_compile_mode: str = "default"  # or "max-autotune-no-cudagraphs" (slower to compile)
     compile_llm: bool = False  # regional torch.compile of the decoder layers (dynamic token count)
     overlap_vit: bool = False  # run a batch's ViT on a side stream under the previous batch's decode (CUDA)
+    cuda_graphs: bool = (
+        True  # decode steps replayed from CUDA graphs (CUDA only; rows padded to a multiple of 8)
+    )
     vit_mode: str = "auto"
     vit_splits: int = 2
     attn_backend: str = "auto"  # "auto" | "sdpa" | "varlen"
@@ -85,8 +89,9 @@ class Pending:
 
     sampling: Sampling
     cache: KVCache | None
-    tok: torch.Tensor
-    lens: torch.Tensor
+    tok: torch.Tensor  # [cache rows] last token of each row (padding rows: 0)
+    lens: torch.Tensor  # [cache rows] tokens in the cache of each row (padding rows: 0)
+    max_len: int  # the largest of `lens`, on the host
     gen: torch.Generator | None
     out: list[list[int]]
     first_token_s: float
@@ -165,6 +170,12 @@ class Engine:
         self.prefix_cache: OrderedDict[str, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
         self.side: torch.cuda.Stream | None = None  # where the ViT runs under the previous batch's decode
         self.counters = {"image_cache_hits": 0, "prefix_cache_hits": 0, "prefix_tokens_reused": 0}
+        c = cfg.llm
+        self.arena = KVArena(c.num_layers, self._n_kv(), c.head_dim, self.device, dtype)
+        graphs = self.ecfg.cuda_graphs and self.device.type == "cuda"
+        self.decode_step = DecodeStep(model.llm, graphs=graphs)
+        # a graph per cache shape: pad rows and lengths so that a long job sees a handful of shapes
+        self.row_multiple, self.len_multiple = (8, 128) if graphs else (1, 1)
         for layer in model.llm.layers:
             layer.attn.backend = self.ecfg.attn_backend
             if self.ecfg.compile_llm and getattr(layer, "_compiled_call_impl", None) is None:
@@ -256,7 +267,7 @@ class Engine:
         """Prefill each missing prefix alone and keep its KV, [layers, kv_heads, P, head_dim] each."""
         ids = [t for _, t, _ in items]
         feats = [f for _, _, f in items]
-        cache = self._prefill(ids, feats, [0] * len(ids), None, extra=0)[1]
+        cache = self._prefill(ids, feats, [0] * len(ids), None, extra=0, arena=False)[1]
         for row, (key, t, _) in enumerate(items):
             p = t.shape[0]
             self.prefix_cache[key] = cache.prefix(row, p)
@@ -265,13 +276,22 @@ class Engine:
 
     # ---- LLM -------------------------------------------------------------------------------------------------
     def _prefill(self, ids: list[torch.Tensor], feats: list, prefix_lens: list[int], prefixes: list | None,
-                 extra: int) -> tuple[torch.Tensor, KVCache]:  # fmt: skip
+                 extra: int, arena: bool = True) -> tuple[torch.Tensor, KVCache]:  # fmt: skip
         """Packed prefill of the new tokens `ids[i]` after `prefix_lens[i]` cached ones.
-        Returns last-token logits [B, V] and the batch's KV cache (room for `extra` more tokens)."""
+        Returns last-token logits [B, V] and the batch's KV cache (room for `extra` more tokens); the cache is
+        the arena's (rows and length padded for the decode graphs) unless `arena` is off."""
         llm, c = self.model.llm, self.cfg.llm
         lengths = [int(t.shape[0]) for t in ids]
-        rows = max(p + n for p, n in zip(prefix_lens, lengths, strict=True)) + extra
-        cache = KVCache(c.num_layers, len(ids), rows, self._n_kv(), c.head_dim, self.device, self.dtype)
+        longest = max(p + n for p, n in zip(prefix_lens, lengths, strict=True))
+        if arena:
+            rows, max_len = (
+                round_up(len(ids), self.row_multiple),
+                round_up(longest + extra, self.len_multiple),
+            )
+            cache = self.arena.cache(rows, max_len)
+        else:
+            cache = KVCache(c.num_layers, len(ids), longest + extra, self._n_kv(), c.head_dim, self.device,
+                            self.dtype)  # fmt: skip
         if prefixes:
             for b, pk in enumerate(prefixes):
                 if pk is not None:
@@ -280,7 +300,7 @@ class Engine:
         img = [f for f in feats if f is not None]
         h = self.model.embed(flat, torch.cat(img, 0) if img else None)
         pos, meta = packed_meta(lengths, prefix_lens, self.device)
-        h = llm(h, pos, meta, cache)
+        h = llm(h, pos, meta, cache, max_position=longest - 1)
         last = h[meta.cu_seqlens[1:].long() - 1]  # only last tokens go through lm_head
         return llm.logits(last), cache
 
@@ -328,9 +348,12 @@ class Engine:
             gen = torch.Generator(device=dev).manual_seed(sampling.seed) if sampling.temperature > 0 else None
             tok = sample(logits, sampling.temperature, sampling.top_p, gen)
         first = tok.tolist()
-        lens = torch.tensor([p + int(t.shape[0]) for p, t in zip(prefix_lens, ids, strict=True)], device=dev)
-        return Pending(sampling, cache, tok, lens, gen, [[t] for t in first], time.perf_counter(), encoded,
-                       t_pre, {"cache_hit_image": encoded.hits, "cached_prefix_tokens": prefix_lens})  # fmt: skip
+        lens = [p + int(t.shape[0]) for p, t in zip(prefix_lens, ids, strict=True)]
+        pad = cache.rows - len(lens)  # the cache's padding rows decode a dummy token at position 0
+        tok = torch.cat([tok, tok.new_zeros(pad)])
+        lens_t = torch.tensor(lens + [0] * pad, device=dev)
+        return Pending(sampling, cache, tok, lens_t, max(lens), gen, [[t] for t in first], time.perf_counter(),
+                       encoded, t_pre, {"cache_hit_image": encoded.hits, "cached_prefix_tokens": prefix_lens})  # fmt: skip
 
     @torch.inference_mode()
     def decode(self, p: Pending) -> BatchResult:
@@ -339,19 +362,20 @@ class Engine:
         stops = set(s.stop_token_ids) | (set() if s.ignore_eos else set(self.eos))
         done = [o[0] in stops for o in out]
         done_s = [p.first_token_s if d else None for d in done]  # when each request got its last token
-        rows = torch.arange(len(out), device=dev)
+        n = len(out)
+        real = (torch.arange(p.cache.rows, device=dev) < n).long() if p.cache is not None else None
         try:
             with _Timer(dev) as t_dec:
-                for _ in range(s.max_new_tokens - 1):
+                for step in range(s.max_new_tokens - 1):
                     if all(done):
                         break
-                    meta = AttnMeta(cu_seqlens=torch.arange(len(out) + 1, device=dev, dtype=torch.int32),
-                                    max_seqlen=1, slot_b=rows, slot_pos=lens, is_decode=True, kv_lens=lens + 1)  # fmt: skip
-                    h = self.model.llm(self.model.llm.embed_tokens(tok), lens, meta, p.cache)
-                    tok = sample(self.model.llm.logits(h), s.temperature, s.top_p, p.gen)
-                    lens = lens + 1
+                    self.model.llm.check_position(p.max_len + step)
+                    logits = self.decode_step(tok, lens, p.cache)  # [rows, V]; rows past n are padding
+                    new = sample(logits[:n], s.temperature, s.top_p, p.gen)
+                    tok = torch.cat([new, tok[n:]])
+                    lens = lens + real
                     now = None
-                    for b, t in enumerate(tok.tolist()):
+                    for b, t in enumerate(new.tolist()):
                         if not done[b]:
                             out[b].append(t)
                             done[b] = t in stops

@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import hf_llm_sharing_weights, hf_sharing_weights  # noqa: E402
 
 from batchvl.engine import Engine, EngineConfig, Request, Sampling, packed_meta
+from batchvl.llm.decode_step import decode_forward
 from batchvl.model.config import from_preset
 from batchvl.model.loader import random_model
 
@@ -51,8 +52,11 @@ def main() -> int:
             try:
                 from batchvl.encoder.internvit_compiled import compile_encoder
 
-                fc = compile_encoder(fast.vision)(pv.to(torch.bfloat16))
-                rows.append((preset, "ViT+projector compiled bf16 vs fp32", rel(fc.reshape(f32.shape), f32)))
+                for backend, epi in (("flash", False), ("cudnn", False), ("cudnn", True)):
+                    ce = compile_encoder(fast.vision, attn_backend=backend, gelu_epilogue=epi)
+                    fc = ce(pv.to(torch.bfloat16))
+                    name = f"ViT+projector compiled ({backend}, gelu epilogue {epi}) bf16 vs fp32"
+                    rows.append((preset, name, rel(fc.reshape(f32.shape), f32)))
             except ImportError as e:
                 rows.append((preset, f"compiled ViT unavailable: {e}", float("nan")))
             lens = [1990, 700, 1200]
@@ -103,12 +107,25 @@ def main() -> int:
             .run_batch(reqs, s)
             .output_ids
         )
-        for name, ecfg in (("bf16 varlen", EngineConfig()),
-                           ("bf16 varlen + caches", EngineConfig(image_cache=True, prefix_cache=True))):  # fmt: skip
+        for name, ecfg in (("bf16 varlen, eager decode", EngineConfig(cuda_graphs=False)),
+                           ("bf16 varlen, graphed decode", EngineConfig()),
+                           ("bf16 varlen + caches, graphed decode", EngineConfig(image_cache=True, prefix_cache=True))):  # fmt: skip
             eng = Engine(fast, cfg, ecfg, dev, torch.bfloat16)
             got = eng.run_batch(reqs, s).output_ids
             agree = sum(x == y for a, b in zip(got, want) for x, y in zip(a, b)) / sum(len(a) for a in want)
             rows.append((preset, f"greedy tokens {name} == fp32 (fraction)", agree))
+        # one decode step: CUDA graph replay vs the same step eagerly, bf16, and vs fp32
+        eng = Engine(fast, cfg, EngineConfig(), dev, torch.bfloat16)
+        e32 = Engine(ref, cfg, EngineConfig(attn_backend="sdpa"), dev, torch.float32)
+        with torch.inference_mode():
+            p16, p32 = eng.prefill(reqs, s), e32.prefill(reqs, s)
+            graphed = eng.decode_step(p16.tok, p16.lens, p16.cache)[:3].clone()
+            eager = decode_forward(fast.llm, p16.tok, p16.lens, p16.cache)[:3]
+            l32 = decode_forward(ref.llm, p32.tok, p32.lens, p32.cache)
+        rows.append(
+            (preset, "decode-step logits, CUDA graph vs eager (both bf16) vs fp32", rel(graphed, eager))
+        )
+        rows.append((preset, "decode-step logits, CUDA graph bf16 vs fp32", rel(graphed, l32)))
     # bf16 limit: 1e-2, or for the LLM rows 1.25x transformers' own bf16 error on the same weights and inputs
     # (random weights make the LLM's bf16 error larger than trained weights do; both are printed)
     print("| model | check | value | limit |\n|---|---|---|---|")

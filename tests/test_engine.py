@@ -144,3 +144,30 @@ def test_rows_that_stop_early_finish_early():
     assert res.first_token_s <= done[0] <= res.end_s and done[1] <= res.end_s
     if len(res.output_ids[1]) == 5:
         assert done[0] <= done[1]
+
+
+def test_padded_decode_rows_and_reused_arena_equal_plain():
+    """The decode-graph layout (rows padded to 8, lengths to 128, one arena reused by every batch) on CPU, where
+    the same step runs eagerly: same tokens and the same last logits as the exact-size per-batch cache."""
+    from batchvl.llm.decode_step import decode_forward
+
+    model, cfg = _model()
+    s = Sampling(max_new_tokens=4, ignore_eos=True)
+    reqs = _requests()
+    plain = Engine(model, cfg, EngineConfig())
+    want = plain.run_batch(reqs, s).output_ids
+    padded = Engine(model, cfg, EngineConfig())
+    padded.row_multiple, padded.len_multiple = 8, 128
+    assert padded.run_batch(reqs, s).output_ids == want
+    gen = padded.arena.generation
+    assert padded.run_batch(reqs[2:4], s).output_ids == plain.run_batch(reqs[2:4], s).output_ids
+    assert padded.run_batch(reqs, s).output_ids == want  # stale values of the previous batches are cleared
+    assert padded.arena.generation == gen  # smaller batches reuse the buffers
+
+    # one decode step's logits, padded vs exact
+    pa, pb = (e.prefill(reqs, s) for e in (plain, padded))
+    assert pa.cache.rows == 5 and pb.cache.rows == 8 and pb.cache.max_len % 128 == 0
+    with torch.inference_mode():
+        la = decode_forward(model.llm, pa.tok, pa.lens, pa.cache)
+        lb = decode_forward(model.llm, pb.tok, pb.lens, pb.cache)
+    torch.testing.assert_close(lb[:5], la, rtol=1e-5, atol=1e-5)

@@ -40,13 +40,15 @@ def test_fast_forward_eager_equals_reference(kind: str) -> None:
     px = torch.randn(3, 3, 112, 112)
     with torch.no_grad():
         torch.testing.assert_close(fast_forward(enc, px), enc(px), atol=0, rtol=0)
+        # fc1 + GELU as one addmm-with-activation (exact GELU on CPU): same math, another GEMM call
+        torch.testing.assert_close(fast_forward(enc, px, gelu_epilogue=True), enc(px), atol=ATOL, rtol=RTOL)
 
 
 @pytest.mark.slow
 def test_compiled_matches_eager_no_recompile_within_bucket() -> None:
     """6B-style: tile counts 1..4 over buckets [2, 4] compile each bucket once, and match eager."""
     enc, _ = build_pair("6b")
-    ce = compile_encoder(enc, buckets=[2, 4])
+    ce = compile_encoder(enc, buckets=[2, 4], gelu_epilogue=True)
     torch.manual_seed(1)
     for n in (3, 4, 1, 2, 3):
         px = torch.randn(n, 3, 112, 112)

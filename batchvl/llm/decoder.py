@@ -131,14 +131,19 @@ class Decoder(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
+    def check_position(self, top: int) -> None:
+        """Refuse positions where dynamic-NTK RoPE would start to rescale (batchvl does not implement it)."""
+        if self.rotary.max_pos is not None and top >= self.rotary.max_pos:
+            raise ValueError(f"position {top} is past max_position_embeddings={self.rotary.max_pos}")
+
     def forward(
-        self, h: torch.Tensor, pos: torch.Tensor, meta: AttnMeta, cache: KVCache | None
-    ) -> torch.Tensor:
-        """h [T, hidden] input embeddings, pos [T] -> final-normed hidden [T, hidden]."""
-        if self.rotary.max_pos is not None and int(pos.max()) >= self.rotary.max_pos:
-            raise ValueError(
-                f"position {int(pos.max())} is past max_position_embeddings={self.rotary.max_pos}"
-            )
+        self, h: torch.Tensor, pos: torch.Tensor, meta: AttnMeta, cache: KVCache | None,
+        max_position: int | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """h [T, hidden] input embeddings, pos [T] -> final-normed hidden [T, hidden].
+        max_position: the largest of `pos` when the caller knows it (no device sync); -1: checked already."""
+        if self.rotary.max_pos is not None and max_position != -1:
+            self.check_position(int(pos.max()) if max_position is None else max_position)
         cos, sin = self.rotary(pos)
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, meta, cache.layer(i) if cache is not None else None)

@@ -1,4 +1,8 @@
-"""A KV cache for one batch: a row per request, padded to the longest request plus the decode steps."""
+"""A KV cache for one batch: a row per request, padded to the longest request plus the decode steps.
+
+`KVArena` hands out those caches as views of one pair of flat buffers, so two batches of the same (rows, max_len)
+use the same addresses: a decode step captured in a CUDA graph for one batch replays for the next.
+"""
 
 from __future__ import annotations
 
@@ -8,15 +12,27 @@ import torch
 class KVCache:
     """k, v: [layers, rows, kv_heads, max_len, head_dim] (heads before positions, as attention reads them)."""
 
-    def __init__(self, num_layers: int, rows: int, max_len: int, kv_heads: int, head_dim: int, device, dtype):
+    def __init__(self, num_layers: int, rows: int, max_len: int, kv_heads: int, head_dim: int, device, dtype,
+                 storage: tuple[torch.Tensor, torch.Tensor] | None = None):  # fmt: skip
         shape = (num_layers, rows, kv_heads, max_len, head_dim)
         # zeros, not empty: masked-out slots still enter the attention matmul (0 * NaN would be NaN)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        if storage is None:
+            self.k = torch.zeros(shape, device=device, dtype=dtype)
+            self.v = torch.zeros(shape, device=device, dtype=dtype)
+        else:  # views of an arena's buffers, cleared (a previous batch left its values there)
+            self.k, self.v = (s.view(shape).zero_() for s in storage)
 
     @staticmethod
     def bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    @property
+    def rows(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
 
     def write(
         self, layer: int, slot_b: torch.Tensor, slot_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -36,3 +52,29 @@ class KVCache:
     def prefix(self, row: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first `length` positions of `row`, [layers, kv_heads, length, head_dim] copies."""
         return self.k[:, row, :, :length].clone(), self.v[:, row, :, :length].clone()
+
+
+class KVArena:
+    """Flat k/v buffers that every batch's KVCache views from their start. It grows when a batch needs more
+    (and bumps `generation`: whatever captured the old addresses is stale); it never shrinks."""
+
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, device, dtype):
+        self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
+        self.device, self.dtype = torch.device(device), dtype
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+        self.generation = 0
+
+    def cache(self, rows: int, max_len: int) -> KVCache:
+        n = self.num_layers * rows * self.kv_heads * max_len * self.head_dim
+        if self.k is None or self.k.numel() < n:
+            self.k = self.v = None  # let the old buffers go before the new ones are allocated
+            self.k = torch.empty(n, device=self.device, dtype=self.dtype)
+            self.v = torch.empty(n, device=self.device, dtype=self.dtype)
+            self.generation += 1
+        return KVCache(self.num_layers, rows, max_len, self.kv_heads, self.head_dim, self.device, self.dtype,
+                       storage=(self.k[:n], self.v[:n]))  # fmt: skip
+
+    def release(self) -> None:
+        self.k = self.v = None
+        self.generation += 1
