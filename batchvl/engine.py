@@ -63,7 +63,7 @@ class EngineConfig:
     prefix_cache_entries: int = 8
     compile_vit: bool = True
     vit_compile_mode: str = "default"  # or "max-autotune-no-cudagraphs" (slower to compile)
-    compile_llm: bool = False  # regional torch.compile of the decoder layers (dynamic token count)
+    compile_llm: bool | None = None  # regional torch.compile of the decoder layers; None: on CUDA only
     overlap_vit: bool = False  # run a batch's ViT on a side stream under the previous batch's decode (CUDA)
     cuda_graphs: bool = (
         True  # decode steps replayed from CUDA graphs (CUDA only; rows padded to a multiple of 8)
@@ -176,9 +176,14 @@ class Engine:
         self.decode_step = DecodeStep(model.llm, graphs=graphs)
         # a graph per cache shape: pad rows and lengths so that a long job sees a handful of shapes
         self.row_multiple, self.len_multiple = (8, 128) if graphs else (1, 1)
+        compile_llm = self.ecfg.compile_llm
+        if (
+            compile_llm is None
+        ):  # measured on an H200 at 38B: prefill +20%, decode step -26%; on CPU: compile time
+            compile_llm = self.device.type == "cuda"
         for layer in model.llm.layers:
             layer.attn.backend = self.ecfg.attn_backend
-            if self.ecfg.compile_llm and getattr(layer, "_compiled_call_impl", None) is None:
+            if compile_llm and getattr(layer, "_compiled_call_impl", None) is None:
                 layer.compile(dynamic=True)  # one graph, reused by every layer (parameters are inputs)
 
     def batch_bytes(self, max_tokens: int, max_new_tokens: int) -> int:

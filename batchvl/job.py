@@ -79,8 +79,9 @@ class EngineSpec:
     vit_compile_mode: str = "default"
     vit_mode: str = "auto"
     vit_splits: int = 2
-    compile_llm: bool = False  # not yet measured on a GPU: off by default
+    compile_llm: bool | None = None  # regional torch.compile of the decoder layers; None: on CUDA only
     overlap_vit: bool = False  # not yet measured on a GPU: off by default
+    cuda_graphs: bool = True  # decode steps replayed from CUDA graphs (CUDA only)
 
 
 @dataclass

@@ -149,7 +149,7 @@ def main() -> None:
     ap.add_argument(
         "--modes",
         default="nocache,cache,hf",
-        help="nocache, cache, hf; +cllm compiles the LLM; +overlap runs the ViT under the previous decode",
+        help="nocache, cache, hf; -cllm leaves the LLM layers eager; +overlap runs the ViT under the previous decode",
     )
     ap.add_argument("--compile-vit", type=int, default=1)
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU, a few requests")
@@ -202,7 +202,7 @@ def main() -> None:
         if mode.split("+")[0] in ("nocache", "cache"):
             cached = mode.startswith("cache")
             ecfg = EngineConfig(max_prefill_tokens=a.budget, max_vit_tiles=a.max_vit_tiles, image_cache=cached,
-                                prefix_cache=cached, compile_llm="+cllm" in mode,
+                                prefix_cache=cached, compile_llm="-cllm" not in mode,
                                 overlap_vit="+overlap" in mode)  # fmt: skip
             budget = a.cache_budget if cached else a.budget
             eng = Engine(model, cfg, ecfg, dev, dtype, encode_fn=encode_fn)

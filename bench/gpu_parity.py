@@ -71,6 +71,12 @@ def main() -> int:
                     layer.attn.backend = "sdpa"
                 b = ref.llm(ref.llm.embed_tokens(flat), pos, meta, None)
                 rows.append((preset, f"LLM packed prefill {backend} bf16 vs fp32", rel(a, b)))
+            cl = copy.deepcopy(fast.llm)  # compiled decoder layers (dynamic token count), varlen
+            for layer in cl.layers:
+                layer.compile(dynamic=True)
+            a = cl(cl.embed_tokens(flat), pos, meta, None)
+            rows.append((preset, "LLM packed prefill varlen, compiled layers bf16 vs fp32", rel(a, b)))
+            del cl
             # context for the LLM rows: the bf16 error of transformers' own decoder on the same weights and inputs
             hf = hf_llm_sharing_weights(fast.llm)
             cu = [0, *torch.tensor(lens).cumsum(0).tolist()]
@@ -79,8 +85,8 @@ def main() -> int:
             rows.append((preset, "(context) transformers LLM prefill bf16 vs our fp32", hf_err))
             del hf, cu
             # the shared-prefix path: new tokens after a cached prefix (varlen over gathered keys)
-            eng16 = Engine(fast, cfg, EngineConfig(prefix_cache=True), dev, torch.bfloat16)
-            eng32 = Engine(ref, cfg, EngineConfig(attn_backend="sdpa"), dev, torch.float32)
+            eng16 = Engine(fast, cfg, EngineConfig(prefix_cache=True, compile_llm=False), dev, torch.bfloat16)
+            eng32 = Engine(ref, cfg, EngineConfig(attn_backend="sdpa", compile_llm=False), dev, torch.float32)
             img = [cfg.image_token_id] * (256 * 7)
             preqs = [Request(torch.tensor(list(range(100, 140)) + img + q.tolist()[:50]), pv.cpu(), "tiger")
                      for q in ids]  # fmt: skip
@@ -103,25 +109,26 @@ def main() -> int:
                 for q in ids]  # fmt: skip
         s = Sampling(max_new_tokens=4, ignore_eos=True)
         want = (
-            Engine(ref, cfg, EngineConfig(attn_backend="sdpa"), dev, torch.float32)
+            Engine(ref, cfg, EngineConfig(attn_backend="sdpa", compile_llm=False), dev, torch.float32)
             .run_batch(reqs, s)
             .output_ids
         )
-        for name, ecfg in (("bf16 varlen, eager decode", EngineConfig(cuda_graphs=False)),
-                           ("bf16 varlen, graphed decode", EngineConfig()),
-                           ("bf16 varlen + caches, graphed decode", EngineConfig(image_cache=True, prefix_cache=True))):  # fmt: skip
+        for name, ecfg in (("bf16 varlen, eager layers and decode", EngineConfig(cuda_graphs=False, compile_llm=False)),
+                           ("bf16 varlen, eager layers, graphed decode", EngineConfig(compile_llm=False)),
+                           ("bf16 varlen, compiled layers, graphed decode", EngineConfig()),
+                           ("bf16 varlen + caches, compiled layers, graphed decode", EngineConfig(image_cache=True, prefix_cache=True))):  # fmt: skip
             eng = Engine(fast, cfg, ecfg, dev, torch.bfloat16)
             got = eng.run_batch(reqs, s).output_ids
             agree = sum(x == y for a, b in zip(got, want) for x, y in zip(a, b)) / sum(len(a) for a in want)
             rows.append((preset, f"greedy tokens {name} == fp32 (fraction)", agree))
         # one decode step: CUDA graph replay vs the same step eagerly, bf16, and vs fp32
         eng = Engine(fast, cfg, EngineConfig(), dev, torch.bfloat16)
-        e32 = Engine(ref, cfg, EngineConfig(attn_backend="sdpa"), dev, torch.float32)
+        e32 = Engine(ref, cfg, EngineConfig(attn_backend="sdpa", compile_llm=False), dev, torch.float32)
         with torch.inference_mode():
             p16, p32 = eng.prefill(reqs, s), e32.prefill(reqs, s)
             graphed = eng.decode_step(p16.tok, p16.lens, p16.cache)[:3].clone()
             eager = decode_forward(fast.llm, p16.tok, p16.lens, p16.cache)[:3]
-            l32 = decode_forward(ref.llm, p32.tok, p32.lens, p32.cache)
+            l32 = decode_forward(ref.llm, p32.tok, p32.lens, p32.cache)[:3]
         rows.append(
             (preset, "decode-step logits, CUDA graph vs eager (both bf16) vs fp32", rel(graphed, eager))
         )

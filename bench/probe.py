@@ -127,8 +127,8 @@ def llm(batch: int = 16, length: int = 2000, layers: int = 64) -> None:
     row(*["---"] * 7)
     want = None
     for name, ecfg in (
-        ("eager, no graphs", EngineConfig(cuda_graphs=False)),
-        ("eager, CUDA-graphed decode", EngineConfig()),
+        ("eager, no graphs", EngineConfig(cuda_graphs=False, compile_llm=False)),
+        ("eager, CUDA-graphed decode", EngineConfig(compile_llm=False)),
         ("compiled layers, graphed decode", EngineConfig(compile_llm=True)),
     ):
         eng = Engine(model, cfg, ecfg, DEV, DT)

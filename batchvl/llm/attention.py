@@ -108,13 +108,15 @@ def prefill_varlen(q, k, v, meta: AttnMeta, k_cache=None, v_cache=None) -> torch
 
 def decode_attention(q, k_cache, v_cache, kv_lens) -> torch.Tensor:
     """q [B, H, D] against cache rows [B, Hkv, S, D], keys < kv_lens[b] valid -> [B, H, D].
-    GQA without copying the cache (each kv head's query heads form one small matmul); two batched GEMMs and a
-    masked softmax in fp32 (SDPA with a mask took ~10x longer here: it falls back to its math path)."""
+    GQA without copying the cache: the `rep` query heads of one kv head become that head's query rows, so SDPA
+    sees [B, Hkv, rep, D] queries and plain (non-GQA) keys, and a [B, 1, 1, S] mask picks the valid ones. On CUDA
+    that takes a fused kernel that keeps the scores in fp32 (SDPA with GQA and a mask falls back to its math path,
+    and bf16 batched GEMMs round the scores to bf16, which was measured to flip greedy tokens)."""
     b, h, d = q.shape
     hkv, s = k_cache.shape[1], k_cache.shape[2]
     qg = q.view(b, hkv, h // hkv, d)  # [B, Hkv, rep, D]
-    scores = torch.matmul(qg, k_cache.transpose(-1, -2)).float() * d**-0.5  # [B, Hkv, rep, S]
     valid = torch.arange(s, device=q.device)[None, :] < kv_lens[:, None]  # [B, S]
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    out = torch.matmul(scores.softmax(-1).to(v_cache.dtype), v_cache)  # [B, Hkv, rep, D]
+    out = F.scaled_dot_product_attention(
+        qg, k_cache, v_cache, attn_mask=valid[:, None, None, :]
+    )  # [B, Hkv, rep, D]
     return out.reshape(b, h, d)
