@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The GPU runs that belong together, one step per device call (each bounded to fit one call's 600 s).
 # Usage on the device (after ../shared/tools/device-prep here; carry .whl and .data):
-#   bash bench/session.sh parity|probe-llm|probe-vit|vit|e2e|e2e-fast|e2e-8b
+#   bash bench/session.sh parity|probe-llm|probe-vit|vit64|vit|e2e|e2e-fast|e2e-8b
 # Full logs land in $OUT (when set); each step ends with the table to copy into bench/RESULTS.md.
 set -u
-what=${1:?parity|probe-llm|probe-vit|vit|e2e|e2e-fast|e2e-8b}
+what=${1:?parity|probe-llm|probe-vit|vit64|vit|e2e|e2e-fast|e2e-8b}
 out=${OUT:-/tmp}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
@@ -19,6 +19,10 @@ probe-llm)  # parity of every fast path, then decode eager vs CUDA graphs vs com
 probe-vit)  # parity of every fast path, then ViT-6B @ 64 tiles: GELU epilogue, SDPA backends, compiled variants
   timeout 150 python3 bench/gpu_parity.py 2>&1 | tee "$out/parity.log" | grep '^|'
   timeout 400 python3 bench/probe.py vit 2>&1 | tee "$out/probe_vit.log" | grep -vE 'Warning|warn' | tail -70 ;;
+vit64)  # parity of every fast path, then both encoders at 64 tiles: ours eager / compiled / + GELU epilogue, transformers
+  timeout 150 python3 bench/gpu_parity.py 2>&1 | tee "$out/parity.log" | grep '^|'
+  timeout 390 python3 bench/vit.py --batches 64 --mode default --hf-mode default --budget-s 300 \
+    2>&1 | tee "$out/vit.log" | grep -E 'floor|compile|^\||attention' | tail -30 ;;
 vit)  # both encoders, 16/64/128 tiles, ours vs transformers (default compile mode: max-autotune took 133 s a bucket)
   timeout 560 python3 bench/vit.py --batches 16,64,128 --mode default --hf-mode default --budget-s 480 \
     2>&1 | tee "$out/vit.log" | grep -E 'tiles/s|floor|compile|^\|' | tail -40 ;;
