@@ -235,6 +235,7 @@ def main() -> None:
             table.append(dict(run=f"batchvl {mode}", req_s=len(prepared) / secs,
                               in_tok_s=summ["input_token_throughput"],
                               tflops=flops / secs / 1e12, peak_gib=_peak(dev), secs=secs))  # fmt: skip
+            _result_line(table[-1], ceiling)
         elif mode == "hf":
             hf = hf_sharing_weights(model, cfg)
             sub = prepared[: a.hf_n]
@@ -252,6 +253,7 @@ def main() -> None:
                 in_tok = sum(len(p.input_ids) for p in sub)
                 table.append(dict(run=f"transformers generate b={b}", req_s=len(sub) / secs, in_tok_s=in_tok / secs,
                                   tflops=sub_flops / secs / 1e12, peak_gib=_peak(dev), secs=secs))  # fmt: skip
+                _result_line(table[-1], ceiling)
             del hf
     best_hf = max((r["req_s"] for r in table if r["run"].startswith("transformers")), default=float("nan"))
     ceil = ceiling["events_b2b"]
@@ -266,6 +268,12 @@ def main() -> None:
         Path(os.environ["OUT"], "e2e.json").write_text(
             json.dumps({"info": info, "ceiling": ceiling, "rows": table})
         )
+
+
+def _result_line(r: dict, ceiling: dict) -> None:
+    """One line per run as soon as it ends (the final table needs every run; a timeout would lose it)."""
+    print(f"RESULT {r['run']}: {r['req_s']:.3f} req/s, {r['in_tok_s']:.0f} input tok/s, {r['tflops']:.0f} TFLOP/s, "
+          f"MFU {r['tflops'] / ceiling['events_b2b']:.3f}, peak {r['peak_gib']:.1f} GiB, {r['secs']:.1f} s", flush=True)  # fmt: skip
 
 
 def _peak(dev) -> float:

@@ -27,13 +27,13 @@ vit)  # both encoders, 16/64/128 tiles, ours vs transformers (default compile mo
   timeout 560 python3 bench/vit.py --batches 16,64,128 --mode default --hf-mode default --budget-s 480 \
     2>&1 | tee "$out/vit.log" | grep -E 'tiles/s|floor|compile|^\|' | tail -40 ;;
 e2e)  # the seed job at 38B shapes: no caches, caches, transformers at two batch sizes (~7 min)
-  timeout 560 python3 bench/e2e.py --n 500 --hf-n 32 --hf-batches 8,16 --modes nocache,cache,hf \
-    2>&1 | tee "$out/e2e.log" | grep -E 'compiled|stages|greedy|^\||ceiling' ;;
+  timeout 570 python3 bench/e2e.py --n 500 --hf-n 32 --hf-batches 8,16 --modes nocache,hf,cache \
+    2>&1 | tee "$out/e2e.log" | grep -E 'compiled|stages|greedy|^\||ceiling|RESULT|Error' ;;
 e2e-fast)  # the unmeasured option: the ViT under the previous decode, with and without caches
   timeout 560 python3 bench/e2e.py --n 500 --hf-n 16 --hf-batches 16 \
     --modes nocache+overlap,cache+overlap,hf 2>&1 | tee "$out/e2e_fast.log" \
-    | grep -E 'compiled|stages|greedy|^\||ceiling' ;;
+    | grep -E 'compiled|stages|greedy|^\||ceiling|RESULT|Error' ;;
 e2e-8b)  # InternViT-300M + InternLM2.5-7B shapes (transformers runs the LLM as Llama, which it is once unpacked)
   timeout 560 python3 bench/e2e.py --preset internvl2_5-8b --n 500 --hf-n 64 --hf-batches 16,32 --budget 65536 \
-    --modes nocache,hf 2>&1 | tee "$out/e2e_8b.log" | grep -E 'compiled|stages|greedy|^\||ceiling' ;;
+    --modes nocache,hf 2>&1 | tee "$out/e2e_8b.log" | grep -E 'compiled|stages|greedy|^\||ceiling|RESULT|Error' ;;
 esac
