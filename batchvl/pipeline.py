@@ -12,7 +12,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -81,13 +81,25 @@ def _prepare_in_worker(prompt: Any, image: Any) -> tuple[Prepared | None, str | 
     return out, err, t0, t1
 
 
-class Preparer:
-    """Prepares rows in source order: a spawn process pool with bounded in-flight work, or in-process (workers=0)."""
+def _pinned(fut: Future) -> tuple:
+    """In a helper thread: wait for a worker's result and page-lock its tiles, so the engine's host-to-device copy
+    is asynchronous and no main-thread time goes to it."""
+    res = fut.result()
+    out = res[0]
+    if out is not None and out.pixel_values is not None and not isinstance(out.pixel_values, torch.Tensor):
+        out.pixel_values = torch.from_numpy(out.pixel_values).pin_memory()
+    return res
 
-    def __init__(self, pre: Callable, workers: int, max_in_flight: int) -> None:
+
+class Preparer:
+    """Prepares rows in source order: a spawn process pool with bounded in-flight work, or in-process (workers=0).
+    pin: page-lock the tiles of finished rows in a helper thread (for a CUDA engine)."""
+
+    def __init__(self, pre: Callable, workers: int, max_in_flight: int, pin: bool = False) -> None:
         self.pre, self.workers, self.max_in_flight = pre, workers, max(1, max_in_flight)
         self.queue: deque[tuple[Item, Future | None]] = deque()
         self.pool: ProcessPoolExecutor | None = None
+        self.pinner = ThreadPoolExecutor(1, thread_name_prefix="pin") if pin and workers else None
         if workers:
             self._start()
 
@@ -112,7 +124,8 @@ class Preparer:
             self._finish(item, prepare_one(self.pre, item.row.prompt, item.row.image))
             self.queue.append((item, None))
         else:
-            self.queue.append((item, self.pool.submit(_prepare_in_worker, item.row.prompt, item.row.image)))
+            fut = self.pool.submit(_prepare_in_worker, item.row.prompt, item.row.image)
+            self.queue.append((item, self.pinner.submit(_pinned, fut) if self.pinner else fut))
 
     def put_done(self, item: Item) -> None:
         """Queue an item that needs no preparation (it already carries its error)."""
@@ -164,6 +177,9 @@ class Preparer:
         if self.pool is not None:
             self.pool.shutdown(wait=True, cancel_futures=True)
             self.pool = None
+        if self.pinner is not None:
+            self.pinner.shutdown(wait=True, cancel_futures=True)
+            self.pinner = None
 
 
 # ---------------------------------------------------------------- batching

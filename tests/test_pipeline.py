@@ -240,3 +240,37 @@ def test_overlapped_phases_equal_whole_batches(bad_rows_jsonl, tokenizer, tmp_pa
     failing = run(flaky, tmp_path / "failing")
     assert flaky.failures >= 1  # the batch holding that row failed in prefill ...
     assert failing == whole  # ... and its rows, retried one by one (whole), came out the same
+
+
+@pytest.mark.slow
+def test_pinning_preparer_gives_the_same_tiles(bad_rows_jsonl, tokenizer, monkeypatch):
+    """pin=True hands the tiles over page-locked (here: a CPU build, so pin_memory is replaced by a marked copy)
+    and otherwise the same rows, errors included."""
+    pinned = []
+
+    def fake_pin(t):
+        pinned.append(t.shape)
+        return t.clone()
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", fake_pin)
+    rows = [r for r in _rows(bad_rows_jsonl) if r.id in ("rgb", "text", "corrupt")]
+    out = {}
+    for pin in (False, True):
+        prep = Preparer(Preprocessor(PCFG), 1, 4, pin=pin)
+        try:
+            for r in rows:
+                prep.submit(Item(r, 0.0))
+            out[pin] = [prep.pop() for _ in rows]
+        finally:
+            prep.close()
+    for a, b in zip(out[False], out[True], strict=True):
+        assert a.error == b.error
+        pa, pb = (x.prepared.pixel_values if x.prepared else None for x in (a, b))
+        assert (pa is None) == (pb is None)
+        if pa is not None:
+            assert isinstance(pb, torch.Tensor) and torch.equal(pa, pb)
+    assert (
+        len(pinned)
+        == sum(x.prepared is not None and x.prepared.pixel_values is not None for x in out[True])
+        > 0
+    )
