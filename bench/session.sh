@@ -33,7 +33,11 @@ e2e-fast)  # the unmeasured option: the ViT under the previous decode, with and 
   timeout 560 python3 bench/e2e.py --n 500 --hf-n 16 --hf-batches 16 \
     --modes nocache+overlap,cache+overlap,hf 2>&1 | tee "$out/e2e_fast.log" \
     | grep -E 'compiled|stages|greedy|^\||ceiling|RESULT|Error' ;;
-e2e-8b)  # InternViT-300M + InternLM2.5-7B shapes (transformers runs the LLM as Llama, which it is once unpacked)
+e2e-8b)  # InternViT-300M + InternLM2.5-7B shapes (transformers runs the LLM as Llama, which it is once unpacked);
+  # first the runner itself on the GPU: the demo job in bf16 with the compiled ViT and a worker pool (pinned tiles)
+  timeout 150 python3 -m batchvl.runner jobs/demo.yaml --set model.device=cuda --set model.dtype=bfloat16 \
+    --set engine.compile_vit=true --set preprocess.workers=2 --set output.dir="$out/demo_gpu" --overwrite \
+    2>&1 | tail -8
   timeout 560 python3 bench/e2e.py --preset internvl2_5-8b --n 500 --hf-n 64 --hf-batches 16,32 --budget 65536 \
     --modes nocache,hf 2>&1 | tee "$out/e2e_8b.log" | grep -E 'compiled|stages|greedy|^\||ceiling|RESULT|Error' ;;
 esac
