@@ -151,13 +151,15 @@ def main() -> None:
         default="nocache,cache,hf",
         help="nocache, cache, hf; -cllm leaves the LLM layers eager; +overlap runs the ViT under the previous decode",
     )
-    ap.add_argument("--compile-vit", type=int, default=1)
+    ap.add_argument("--compile-vit", type=int, default=None, help="1 (default; 0 with --smoke)")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU, a few requests")
     a = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     if a.smoke:
-        a.preset, a.n, a.hf_n, a.hf_batches, a.budget, a.compile_vit = "tiny-qwen2", 6, 4, "2", 8192, 0
+        a.preset, a.n, a.hf_n, a.hf_batches, a.budget = "tiny-qwen2", 6, 4, "2", 8192
+    if a.compile_vit is None:
+        a.compile_vit = 0 if a.smoke else 1
     info = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
             "preset": a.preset, "n": a.n, "budget": a.budget}  # fmt: skip
     print(json.dumps(info), flush=True)
