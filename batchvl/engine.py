@@ -63,7 +63,9 @@ class EngineConfig:
     prefix_cache_entries: int = 8
     compile_vit: bool = True
     vit_compile_mode: str = "default"  # or "max-autotune-no-cudagraphs" (slower to compile)
-    vit_gelu_epilogue: bool | None = None  # compiled ViT: fc1 + GELU in one cuBLASLt GEMM; None: on CUDA only
+    vit_gelu_epilogue: bool = (
+        False  # compiled ViT: fc1 + GELU in one cuBLASLt GEMM (opt-in until timed on a GPU)
+    )
     compile_llm: bool | None = None  # regional torch.compile of the decoder layers; None: on CUDA only
     overlap_vit: bool = False  # run a batch's ViT on a side stream under the previous batch's decode (CUDA)
     cuda_graphs: bool = (

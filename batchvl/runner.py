@@ -116,12 +116,12 @@ def vision_encoder(model: Any, cfg: InternVLConfig, ecfg: Any, ctx: dist.DistCon
     from batchvl.encoder.internvit_compiled import compile_encoder
     from batchvl.encoder.split_overlap import DPVisionEncoder, TPVisionEncoder, choose_vit_mode
 
-    epilogue = ecfg.vit_gelu_epilogue
-    if epilogue is None:
-        epilogue = next(model.vision.parameters()).is_cuda
     compiled = (
         compile_encoder(
-            model.vision, mode=ecfg.vit_compile_mode, max_tiles=ecfg.max_vit_tiles, gelu_epilogue=epilogue
+            model.vision,
+            mode=ecfg.vit_compile_mode,
+            max_tiles=ecfg.max_vit_tiles,
+            gelu_epilogue=ecfg.vit_gelu_epilogue,
         )
         if ecfg.compile_vit
         else None
