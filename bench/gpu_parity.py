@@ -1,6 +1,7 @@
 """GPU parity: bf16 fast paths against the fp32 eager reference on the same weights (relative error by norm).
 
-    python bench/gpu_parity.py            # on the GPU; prints a table, exits 1 if a check fails
+    python bench/gpu_parity.py [PRESETS]  # on the GPU; prints a table, exits 1 if a check fails
+                                          # PRESETS: comma-separated (default internvl2_5-38b,internvl2_5-8b)
 
 Shapes are the real 38B / 8B widths with few layers, so one run fits in a minute.
 """
@@ -38,7 +39,8 @@ def main() -> int:
     dev = torch.device("cuda")
     rows, ok, hf_errs = [], True, {}
     g = torch.Generator(device="cpu").manual_seed(0)
-    for preset in ("internvl2_5-38b", "internvl2_5-8b"):
+    presets = sys.argv[1].split(",") if len(sys.argv) > 1 else ["internvl2_5-38b", "internvl2_5-8b"]
+    for preset in presets:
         cfg = shallow(preset)
         fast, _ = random_model(cfg, dev, torch.bfloat16, seed=1)
         with torch.no_grad():  # the logit scale of a 4-layer random model is tiny: widen it for token checks

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The GPU runs that belong together, one step per device call (each bounded to fit one call's 600 s).
 # Usage on the device (after ../shared/tools/device-prep here; carry .whl and .data):
-#   bash bench/session.sh parity|parity-e2e|probe-llm|probe-vit|vit64|vit|e2e|e2e-fast|e2e-8b
+#   bash bench/session.sh parity|parity-e2e|parity38-e2e|probe-llm|probe-vit|vit64|vit|e2e|e2e-fast|e2e-8b
 # Full logs land in $OUT (when set); each step ends with the table to copy into bench/RESULTS.md.
 set -u
-what=${1:?parity|parity-e2e|probe-llm|probe-vit|vit64|vit|e2e|e2e-fast|e2e-8b}
+what=${1:?parity|parity-e2e|parity38-e2e|probe-llm|probe-vit|vit64|vit|e2e|e2e-fast|e2e-8b}
 out=${OUT:-/tmp}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
@@ -26,6 +26,10 @@ vit64)  # parity of every fast path, then both encoders at 64 tiles: ours eager 
 vit)  # both encoders, 16/64/128 tiles, ours vs transformers (default compile mode: max-autotune took 133 s a bucket)
   timeout 560 python3 bench/vit.py --batches 16,64,128 --mode default --hf-mode default --budget-s 480 \
     2>&1 | tee "$out/vit.log" | grep -E 'tiles/s|floor|compile|^\|' | tail -40 ;;
+parity38-e2e)  # the short form of parity-e2e for a small device budget: 38B parity only
+  timeout 70 python3 bench/gpu_parity.py internvl2_5-38b 2>&1 | tee "$out/parity.log" | grep '^|'
+  timeout 480 python3 bench/e2e.py --n 500 --hf-n 32 --hf-batches 8,16 --modes nocache,hf,cache \
+    2>&1 | tee "$out/e2e.log" | grep -E 'compiled|stages|greedy|^\||ceiling|RESULT|Error' ;;
 parity-e2e)  # parity of every fast path (~70 s), then the seed job as in `e2e` with what time is left
   timeout 110 python3 bench/gpu_parity.py 2>&1 | tee "$out/parity.log" | grep '^|'
   timeout 460 python3 bench/e2e.py --n 500 --hf-n 32 --hf-batches 8,16 --modes nocache,hf,cache \
