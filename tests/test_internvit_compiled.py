@@ -61,6 +61,10 @@ def test_compiled_matches_eager_no_recompile_within_bucket() -> None:
         torch.testing.assert_close(got, ref, atol=ATOL, rtol=RTOL)
         if n in (4, 2) or (n == 3 and ce.stats.calls > 1):
             assert new == 0, f"{n} tiles recompiled {new} graphs in an already compiled bucket"
+    with torch.inference_mode():  # how the engine calls it: no recompiles after the no_grad calls above
+        g0 = _graphs()
+        ce(torch.randn(4, 3, 112, 112))
+        assert _graphs() == g0
     assert sorted(ce.stats.compile_s) == [2, 4]
     # embed, layer (with next norm), last layer, head: 4 graphs per bucket, and no more
     assert ce.stats.graphs == {4: 4, 2: 4}

@@ -211,14 +211,18 @@ class CompiledEncoder:
         self.gelu_epilogue = gelu_epilogue
         self.buckets = sorted(buckets) if buckets else default_buckets(max_tiles)
         self.stats = CompileStats(mode=mode, buckets=self.buckets, caches=_cache_settings(cache_dir))
-        _raise_recompile_limit(2 * len(self.buckets))  # fast_layer: with/without next norm per bucket
+        # fast_layer: with/without next norm per bucket, and room to spare: a hit limit fails hard (fullgraph)
+        _raise_recompile_limit(4 * len(self.buckets))
         opts = dict(mode=None if mode == "default" else mode, dynamic=dynamic, fullgraph=True)
         self.embed = torch.compile(fast_embed, **opts)
         self.layer = torch.compile(fast_layer, **opts)
         self.head = torch.compile(fast_head, **opts)
 
     def _run(self, px: Tensor) -> Tensor:
-        with torch.no_grad(), sdpa_context(self.attn_backend, px.device):
+        # always inference mode and an inference tensor: Dynamo guards on both, so a warm-up under no_grad and an
+        # engine call under inference_mode would otherwise compile every bucket twice
+        with torch.inference_mode(), sdpa_context(self.attn_backend, px.device):
+            px = px if px.is_inference() else px.clone()
             return fast_forward(self.enc, px, self.embed, self.layer, self.head, self.gelu_epilogue)
 
     def _chunks(self, n: int) -> Iterator[tuple[int, int]]:
