@@ -79,7 +79,8 @@ def batches(prepared: list, budget: int) -> list[list[int]]:
 
 
 def run_engine(engine: Engine, prepared: list, budget: int, new_tokens: int) -> tuple[float, list[dict]]:
-    """The runner's loop: start batch n's ViT, finish batch n-1's decode, prefill batch n."""
+    """The runner's loop (`pipeline.Runner._step`): whole batches; with `overlap_vit`, start batch n's ViT, finish
+    batch n-1's decode, then prefill batch n."""
     reqs = [Request(torch.tensor(p.input_ids), p.pixel_values, p.image_key) for p in prepared]
     s = Sampling(max_new_tokens=new_tokens, ignore_eos=True)
     rows: list[dict] = []
@@ -102,6 +103,10 @@ def run_engine(engine: Engine, prepared: list, budget: int, new_tokens: int) -> 
     pending = None
     for bid, idx in enumerate(batches(prepared, budget)):
         batch = [reqs[i] for i in idx]
+        if not engine.ecfg.overlap_vit:
+            tb = time.perf_counter()
+            finish(bid, idx, tb, engine.prefill(batch, s))
+            continue
         encoded = engine.encode_async(batch)
         if pending is not None:
             finish(*pending)
