@@ -254,6 +254,9 @@ def run_job(
         counts = counts | {"vit_compile": compile_stats.summary()}
         log.info("%s", counts["vit_compile"])
     counts = counts | dict(getattr(engine, "counters", {}))  # cache hits
+    step = getattr(engine, "decode_step", None)
+    if step is not None:  # CUDA graphs of the decode step: how many shapes were captured, or why they are off
+        counts = counts | {"decode_graphs_captured": step.captures, "decode_graphs_failed": step.failed}
     all_counts = dist.all_gather_object(ctx, counts)
     dist.barrier(ctx)
     if not ctx.is_main:

@@ -171,3 +171,19 @@ def test_padded_decode_rows_and_reused_arena_equal_plain():
         la = decode_forward(model.llm, pa.tok, pa.lens, pa.cache)
         lb = decode_forward(model.llm, pb.tok, pb.lens, pb.cache)
     torch.testing.assert_close(lb[:5], la, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_graph_capture_failure_falls_back_to_eager(caplog):
+    """A capture that fails (here: no CUDA at all) must not fail the job: the step runs eagerly from then on."""
+    from batchvl.llm.decode_step import DecodeStep, decode_forward
+
+    model, cfg = _model()
+    eng = Engine(model, cfg, EngineConfig())
+    p = eng.prefill(_requests(), Sampling(max_new_tokens=4, ignore_eos=True))
+    step = DecodeStep(model.llm, graphs=True)
+    with torch.inference_mode():
+        got = step(p.tok, p.lens, p.cache)
+        want = decode_forward(model.llm, p.tok, p.lens, p.cache)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert not step.graphs and step.failed and step.captures == 0
+    assert "decoding eagerly" in caplog.text

@@ -7,6 +7,7 @@ the same padded (rows, max_len) the same buffers, so a graph captured for one ba
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -14,6 +15,8 @@ import torch
 
 from batchvl.llm.attention import AttnMeta
 from batchvl.llm.kv_cache import KVCache
+
+log = logging.getLogger(__name__)
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -46,6 +49,7 @@ class DecodeStep:
         self.llm, self.graphs, self.max_graphs = llm, graphs, max_graphs
         self.cache: OrderedDict[tuple, _Graph] = OrderedDict()
         self.captures = 0
+        self.failed: str | None = None  # why capturing failed, if it did (then `graphs` is off)
 
     def __call__(self, tok: torch.Tensor, pos: torch.Tensor, cache: KVCache) -> torch.Tensor:
         if not self.graphs:
@@ -53,7 +57,17 @@ class DecodeStep:
         key = (tuple(cache.k.shape), cache.k.data_ptr(), cache.v.data_ptr(), tok.dtype)
         g = self.cache.get(key)
         if g is None:
-            g = self.cache[key] = self._capture(tok, pos, cache)
+            try:
+                g = self._capture(tok, pos, cache)
+            except Exception as e:  # noqa: BLE001 - a job should slow down, not fail: decode eagerly from now on
+                log.warning("CUDA graph capture of the decode step failed (%s: %s); decoding eagerly from now on",
+                            type(e).__name__, e)  # fmt: skip
+                self.graphs, self.failed = False, f"{type(e).__name__}: {e}"
+                self.cache.clear()
+                if tok.is_cuda:
+                    torch.cuda.synchronize(tok.device)
+                return decode_forward(self.llm, tok, pos, cache)
+            self.cache[key] = g
             while len(self.cache) > self.max_graphs:
                 self.cache.popitem(last=False)
         self.cache.move_to_end(key)
