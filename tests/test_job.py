@@ -216,3 +216,15 @@ def test_engine_choices_are_checked(tmp_path):
     for key, bad in (("engine.vit_mode", "sideways"), ("engine.vit_compile_mode", "turbo")):
         with pytest.raises(JobError, match=f"job.{key}"):
             load_job(REPO / "jobs/demo.yaml", [f"{key}={bad}", f"output.dir={tmp_path}"])
+
+
+def test_engine_spec_mirrors_engine_config():
+    """The job's engine section builds an EngineConfig field by field: same names, same defaults."""
+    import dataclasses
+
+    from batchvl.engine import EngineConfig
+    from batchvl.job import EngineSpec
+
+    cfg = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+    for f in dataclasses.fields(EngineSpec):
+        assert f.name in cfg and f.default == cfg[f.name], f.name
