@@ -217,9 +217,8 @@ def run_job(
     if ctx.is_main:
         write_manifest(out, manifest)
     p = job.preprocess
-    prep = Preparer(
-        pre, p.workers, p.prefetch, pin=device.type == "cuda"
-    )  # workers warm up while the model loads
+    # workers warm up while the model loads
+    prep = Preparer(pre, p.workers, p.prefetch, pin=device.type == "cuda")
     try:
         t_load = time.perf_counter()
         engine = engine_factory(job, device, dtype, stop_token_ids(tokenizer), ctx)

@@ -136,6 +136,11 @@ class FakeEngine:
         return BatchResult(out, 1.0, 2.0, 3.0, first, time.perf_counter(), stats)
 
 
+def assert_clock_order(r: dict) -> None:
+    """A finished row's clocks run forward: read, prepared, batch start, first token, done."""
+    assert r["t_read_s"] <= r["t_prepared_s"] <= r["t_batch_start_s"] <= r["t_first_token_s"] <= r["t_done_s"]
+
+
 def save_image(path: Path, size=(64, 48), mode: str = "RGB", fmt: str = "PNG") -> Path:
     """Write a small synthetic image in any PIL mode."""
     from PIL import Image

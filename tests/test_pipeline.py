@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import BAD_ROWS, FakeEngine
+from conftest import BAD_ROWS, FakeEngine, assert_clock_order
 
 from batchvl.data import SourceRow, iter_rows
 from batchvl.engine import Sampling
@@ -94,13 +94,7 @@ def test_errors_travel_as_rows_and_the_job_goes_on(bad_rows_jsonl, tokenizer, tm
         assert r["output_token_ids"] == expect
         assert r["output_text"] == tokenizer.decode(expect, skip_special_tokens=True)
         assert r["num_image_tokens"] + r["num_text_tokens"] == len(r["prompt_token_ids"])
-        assert (
-            r["t_read_s"]
-            <= r["t_prepared_s"]
-            <= r["t_batch_start_s"]
-            <= r["t_first_token_s"]
-            <= r["t_done_s"]
-        )
+        assert_clock_order(r)
         assert min(r["queue_ms"], r["preprocess_ms"], r["batch_wait_ms"]) >= 0
         assert (r["vit_ms"], r["prefill_ms"], r["decode_ms"]) == (1.0, 2.0, 3.0)
         assert r["ttft_ms"] == pytest.approx(r["t_first_token_s"] * 1e3)

@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
-from conftest import BAD_ROWS, FakeEngine
+from conftest import BAD_ROWS, FakeEngine, assert_clock_order
 
 from batchvl.data import shard_of
 from batchvl.demo import demo_rows
@@ -55,13 +55,7 @@ def test_demo_job_end_to_end(demo_run):
     for r in rows.values():
         assert r["error"] is None and 1 <= len(r["output_token_ids"]) <= 8
         assert r["output_text"] == tok.decode(r["output_token_ids"], skip_special_tokens=True)
-        assert (
-            r["t_read_s"]
-            <= r["t_prepared_s"]
-            <= r["t_batch_start_s"]
-            <= r["t_first_token_s"]
-            <= r["t_done_s"]
-        )
+        assert_clock_order(r)
     assert rows["text-only"]["num_tiles"] == 0 and rows["wide-stripes"]["num_tiles"] > 1
     man = read_manifest(out)
     assert man["status"] == "done" and man["world_size"] == 1 and len(man["runs"]) == 1

@@ -34,13 +34,6 @@ class KVCache:
     def max_len(self) -> int:
         return self.k.shape[3]
 
-    def write(
-        self, layer: int, slot_b: torch.Tensor, slot_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ):
-        """Scatter k/v [T, kv_heads, head_dim] into (row, position) slots."""
-        self.k[layer][slot_b, :, slot_pos] = k
-        self.v[layer][slot_b, :, slot_pos] = v
-
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[layer], self.v[layer]
 
@@ -74,7 +67,3 @@ class KVArena:
             self.generation += 1
         return KVCache(self.num_layers, rows, max_len, self.kv_heads, self.head_dim, self.device, self.dtype,
                        storage=(self.k[:n], self.v[:n]))  # fmt: skip
-
-    def release(self) -> None:
-        self.k = self.v = None
-        self.generation += 1
