@@ -1,7 +1,7 @@
 """Which fast-path options pay, measured on the GPU before any becomes a default (one part per device call).
 
-    python bench/probe.py vit   # InternViT-6B @ 64 tiles: floor parts, fc1+GELU epilogue, SDPA backends,
-                                # compiled-encoder variants, and a kernel table of the best variant
+    python bench/probe.py vit   # both encoders @ 64 tiles, 8 layers, compiled (cuDNN, GELU epilogue): ms per
+                                # layer by kernel kind against the floor parts, and the top kernels
     python bench/probe.py llm   # 38B LLM (64 layers), 16 x 2000 tokens: prefill and 3 decode steps, eager vs
                                 # CUDA-graphed decode vs compiled layers
 
@@ -11,7 +11,6 @@ Random bf16 weights at real shapes (normal, std 0.02). Times are do_bench median
 from __future__ import annotations
 
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -31,80 +30,71 @@ def row(*cells) -> None:
     print("| " + " | ".join(str(c) for c in cells) + " |", flush=True)
 
 
-def vit_ops(v, tiles: int) -> None:
-    """Per-layer pieces at the encoder's shapes (the tensors die when this returns)."""
-    T, C, ff, H, D = v.num_patches + 1, v.hidden_size, v.intermediate_size, v.num_heads, v.head_dim
-    M = tiles * T
-    print(f"## InternViT-6B, {tiles} tiles (M = {M} tokens), per layer\n")
-    row("op", "ms", "TFLOP/s")
-    row("---", "---", "---")
-    x = torch.randn(M, C, device=DEV, dtype=DT)
-    w1, b1 = torch.randn(ff, C, device=DEV, dtype=DT) * 0.02, torch.randn(ff, device=DEV, dtype=DT) * 0.02
-    f1 = 2 * M * C * ff
-    ops = {
-        "fc1 GEMM, no bias (floor part)": lambda: F.linear(x, w1),
-        "fc1 GEMM + bias": lambda: F.linear(x, w1, b1),
-        "fc1 GEMM + bias, then GELU (2 kernels)": lambda: F.gelu(F.linear(x, w1, b1)),
-        "fc1 + bias + GELU epilogue (_addmm_activation)": lambda: torch._addmm_activation(b1, x, w1.t(), use_gelu=True),
-    }  # fmt: skip
-    for name, fn in ops.items():
-        ms = bench_ms(fn, DEV)
-        row(name, f"{ms:.3f}", f"{f1 / ms / 1e9:.0f}")
-    y = torch.randn(M, ff, device=DEV, dtype=DT)
-    row("GELU alone on [M, ff]", f"{bench_ms(lambda: F.gelu(y), DEV):.3f}", "")
-    qkv = torch.randn(tiles, T, 3 * C, device=DEV, dtype=DT)
-    q, k, val = (t.reshape(tiles, T, H, D).transpose(1, 2) for t in qkv.chunk(3, -1))  # our strided layout
-    qc, kc, vc = (t.contiguous() for t in (q, k, val))
-    fa = 4 * tiles * T * T * C
-    for backend in ("flash", "cudnn", "efficient"):
-        for layout, (a, b, c) in (("contiguous", (qc, kc, vc)), ("strided (ours)", (q, k, val))):
-            try:
-                with sdpa_context(backend, DEV):
-                    ms = bench_ms(lambda a=a, b=b, c=c: F.scaled_dot_product_attention(a, b, c), DEV)
-                row(f"SDPA {backend}, {layout}", f"{ms:.3f}", f"{fa / ms / 1e9:.0f}")
-            except RuntimeError as e:
-                row(f"SDPA {backend}, {layout}", "unavailable", str(e).splitlines()[0][:60])
-    o = F.scaled_dot_product_attention(q, k, val)
-    print(f"\nSDPA output strides {tuple(o.stride())} for shape {tuple(o.shape)}")
+def kernel_kind(name: str) -> str:
+    n = name.lower()
+    if any(k in n for k in ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas")):
+        return "GEMM"
+    if any(k in n for k in ("fmha", "flash", "cudnn", "attn", "attention")):
+        return "attention"
+    if n.startswith("triton"):
+        return "triton (fused elementwise / norms)"
+    return "other"
 
 
-def vit(tiles: int = 64) -> None:
-    cfg = from_preset("internvl2_5-38b")
-    v = cfg.vision
-    vit_ops(v, tiles)
-    torch.cuda.empty_cache()
-
-    print(f"\n## compiled encoder (default mode), {tiles} tiles, 45 layers\n")
-    row("variant", "compile s", "ms / forward", "tiles/s", "rel err vs eager")
-    row("---", "---", "---", "---", "---")
-    enc = random_encoder(cfg, DEV, DT)
-    px = torch.randn(tiles, 3, v.image_size, v.image_size, device=DEV, dtype=DT)
-    with torch.no_grad():
-        ref = enc(px).float()
-    best = None
-    for backend, epi in (("flash", False), ("cudnn", False), ("cudnn", True)):
-        ce = compile_encoder(enc, buckets=[tiles], attn_backend=backend, gelu_epilogue=epi)
-        t0 = time.perf_counter()
-        out = ce(px)
-        torch.cuda.synchronize()
-        comp = time.perf_counter() - t0
-        err = float((out.float() - ref).norm() / ref.norm())
-        ms = bench_ms(lambda ce=ce: ce(px), DEV, warmup=3, rep=30)
-        row(
-            f"attn {backend}, gelu epilogue {epi}",
-            f"{comp:.0f}",
-            f"{ms:.1f}",
-            f"{tiles / ms * 1e3:.2f}",
-            f"{err:.2e}",
-        )
-        if best is None or ms < best[0]:
-            best = (ms, ce, f"{backend}/{epi}")
-    ms, ce, name = best
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as p:
+def vit(tiles: int = 64, layers: int = 8) -> None:
+    """Both encoders, `layers` layers, compiled with cuDNN attention and the GELU epilogue: ms per layer by kernel
+    kind against the floor parts, and the top kernels (where the time above the floor goes)."""
+    for preset in ("internvl2_5-38b", "internvl2_5-8b"):
+        cfg = from_preset(preset)
+        cfg = replace(cfg, vision=replace(cfg.vision, num_layers=layers))
+        v = cfg.vision
+        enc = random_encoder(cfg, DEV, DT)
+        px = torch.randn(tiles, 3, v.image_size, v.image_size, device=DEV, dtype=DT)
+        ce = compile_encoder(enc, buckets=[tiles], gelu_epilogue=True)
         ce(px)
-        torch.cuda.synchronize()
-    print(f"\nkernels of one forward, variant {name}:\n")
-    print(p.key_averages().table(sort_by="cuda_time_total", row_limit=16, max_name_column_width=70))
+        ms = bench_ms(lambda ce=ce, px=px: ce(px), DEV, warmup=3, rep=20)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as p:
+            ce(px)
+            torch.cuda.synchronize()
+        evs = [e for e in p.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+        tot = lambda e: getattr(e, "device_time_total", None) or e.cuda_time_total  # noqa: E731
+        by_kind: dict[str, float] = {}
+        for e in evs:
+            by_kind[kernel_kind(e.key)] = by_kind.get(kernel_kind(e.key), 0.0) + tot(e) / 1e3 / layers
+        T, C, ff, M = v.num_patches + 1, v.hidden_size, v.intermediate_size, tiles * (v.num_patches + 1)
+        floor = {}
+        for nm, (m, k, n) in {
+            "qkv": (M, C, 3 * C),
+            "proj": (M, C, C),
+            "fc1": (M, C, ff),
+            "fc2": (M, ff, C),
+        }.items():
+            a, w = torch.randn(m, k, device=DEV, dtype=DT), torch.randn(n, k, device=DEV, dtype=DT)
+            floor[nm] = bench_ms(lambda a=a, w=w: F.linear(a, w), DEV)
+        q = torch.randn(tiles, v.num_heads, T, v.head_dim, device=DEV, dtype=DT)
+        with sdpa_context("cudnn", DEV):
+            floor["attn"] = bench_ms(lambda q=q: F.scaled_dot_product_attention(q, q, q), DEV)
+        print(
+            f"\n## {preset} vision: {tiles} tiles, {layers} layers; compiled (cudnn, gelu epilogue): "
+            f"{ms:.1f} ms / forward = {ms / layers:.3f} ms / layer (incl. embed + head)\n"
+        )
+        row("kernel kind", "ms / layer (profiled)")
+        row("---", "---")
+        for k_, t in sorted(by_kind.items(), key=lambda kv: -kv[1]):
+            row(k_, f"{t:.3f}")
+        row("floor: GEMMs", f"{sum(floor[g] for g in ('qkv', 'proj', 'fc1', 'fc2')):.3f}")
+        row("floor: attention (cudnn)", f"{floor['attn']:.3f}")
+        print()
+        print(p.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=90))
+        torch._dynamo.reset()  # Inductor options are not guarded: recompile from scratch with coordinate descent
+        with torch._inductor.config.patch(coordinate_descent_tuning=True):
+            ce = compile_encoder(enc, buckets=[tiles], gelu_epilogue=True)
+            ce(px)
+        ms_cd = bench_ms(lambda ce=ce, px=px: ce(px), DEV, warmup=3, rep=20)
+        print(f"with coordinate_descent_tuning: {ms_cd:.1f} ms / forward (vs {ms:.1f})")
+        torch._dynamo.reset()
+        del enc, ce, px
+        torch.cuda.empty_cache()
 
 
 def llm(batch: int = 16, length: int = 2000, layers: int = 64) -> None:
