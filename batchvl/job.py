@@ -77,7 +77,7 @@ class EngineSpec:
     prefix_cache: bool = False
     compile_vit: bool = True
     vit_compile_mode: str = "default"
-    vit_gelu_epilogue: bool = False
+    vit_gelu_epilogue: bool = True
     vit_mode: str = "auto"
     vit_splits: int = 2
     compile_llm: bool | None = None  # regional torch.compile of the decoder layers; None: on CUDA only
