@@ -269,8 +269,8 @@ def main() -> None:
     print("| run | req/s | input tok/s | TFLOP/s | MFU | x transformers best | peak GiB |")
     print("|---|---|---|---|---|---|---|")
     for r in table:
-        print(f"| {r['run']} | {r['req_s']:.2f} | {r['in_tok_s']:.0f} | {r['tflops']:.0f} | "
-              f"{r['tflops'] / ceil:.2f} | {r['req_s'] / best_hf:.2f} | {r['peak_gib']:.1f} |")  # fmt: skip
+        print(f"| {r['run']} | {r['req_s']:.3f} | {r['in_tok_s']:.0f} | {r['tflops']:.0f} | "
+              f"{r['tflops'] / ceil:.3f} | {r['req_s'] / best_hf:.3f} | {r['peak_gib']:.1f} |")  # fmt: skip
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "e2e.json").write_text(
             json.dumps({"info": info, "ceiling": ceiling, "rows": table})
