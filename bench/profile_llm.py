@@ -41,7 +41,7 @@ def main() -> None:
     ) as p:
         eng.run_batch(reqs, s)
         torch.cuda.synchronize()
-    print(p.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=50))
+    print(p.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=70))
     r = eng.run_batch(reqs, s)
     print(f"again: prefill {r.prefill_ms:.1f} ms, decode (3 steps) {r.decode_ms:.1f} ms")
     # micro: cache write and decode attention, one layer

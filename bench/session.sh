@@ -17,7 +17,10 @@ probe-llm)  # parity of every fast path, then decode eager vs CUDA graphs vs com
   timeout 250 python3 bench/gpu_parity.py 2>&1 | tee "$out/parity.log" | grep '^|'
   timeout 300 python3 bench/probe.py llm 2>&1 | tee "$out/probe_llm.log" | grep -E '^\||^#|captured|floor|Error' ;;
 probe-vit)  # where ViT time above the floor goes: both encoders @ 64 tiles, 8 layers, kernel kinds vs floor parts
-  timeout 300 python3 bench/probe.py vit 2>&1 | tee "$out/probe_vit.log" | grep -vE 'Warning|warn' | tail -120 ;;
+  timeout 300 python3 bench/probe.py vit 2>&1 | tee "$out/probe_vit.log" | grep -vE 'Warning|warn' | tail -120
+  # and the 8B LLM's packed prefill (compiled layers, 64k tokens, 8 layers): what is left beside the GEMMs
+  timeout 200 python3 bench/profile_llm.py --preset internvl2_5-8b --layers 8 --batch 32 --compile-llm 1 2>&1 \
+    | tee "$out/profile_llm_8b.log" | grep -vE 'Warning|warn' | tail -40 ;;
 vit64)  # parity of every fast path, then both encoders at 64 tiles: ours eager / compiled / + GELU epilogue, transformers
   timeout 150 python3 bench/gpu_parity.py 2>&1 | tee "$out/parity.log" | grep '^|'
   timeout 390 python3 bench/vit.py --batches 64 --mode default --hf-mode default --budget-s 300 \
