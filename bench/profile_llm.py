@@ -7,13 +7,16 @@ few layers, under torch.profiler; plus micro-timings of the KV-cache write and t
 from __future__ import annotations
 
 import argparse
+import itertools
 from dataclasses import replace
 
 import torch
+import torch.nn.functional as F
 from triton.testing import do_bench
 
+from batchvl.encoder.internvit_compiled import sdpa_context
 from batchvl.engine import Engine, EngineConfig, Request, Sampling
-from batchvl.llm.attention import decode_attention
+from batchvl.llm.attention import AttnMeta, decode_attention, prefill_varlen
 from batchvl.model.config import from_preset
 from batchvl.model.loader import random_model
 
@@ -59,6 +62,47 @@ def main() -> None:
     lens = pos + 1
     print(f"decode cache write: {do_bench(write) * 1e3:.1f} us; "
           f"decode attention: {do_bench(lambda: decode_attention(q, kc, vc, lens)) * 1e3:.1f} us per layer")  # fmt: skip
+    prefill_attention(a.batch, c, dev, dt)
+
+
+def prefill_attention(batch: int, c, dev, dt) -> None:
+    """One layer's causal prefill attention over `batch` sequences of 2000 - 17 i tokens: flash varlen (ours)
+    against one SDPA call per sequence with each backend (GQA by SDPA's enable_gqa or by repeating kv heads)."""
+    lens = [2000 - 17 * i for i in range(batch)]
+    cu = torch.tensor([0, *itertools.accumulate(lens)], device=dev, dtype=torch.int32)
+    T = int(cu[-1])
+    q = torch.randn(T, c.num_heads, c.head_dim, device=dev, dtype=dt)
+    k, v = (torch.randn(T, c.num_kv_heads, c.head_dim, device=dev, dtype=dt) for _ in range(2))
+    meta = AttnMeta(cu, max(lens), torch.zeros(T, dtype=torch.long), torch.zeros(T, dtype=torch.long))
+    flops = sum(2 * n * n * c.num_heads * c.head_dim for n in lens)  # causal: half of 4 n^2 H D
+    ref = prefill_varlen(q, k, v, meta)
+    rep = c.num_heads // c.num_kv_heads
+    bounds = list(itertools.pairwise(cu.tolist()))
+
+    def per_seq(gqa: bool):
+        outs = []
+        for s_, e in bounds:
+            qs, ks, vs = (t[s_:e].transpose(0, 1)[None] for t in (q, k, v))  # [1, heads, n, D]
+            if not gqa:
+                ks, vs = ks.repeat_interleave(rep, 1), vs.repeat_interleave(rep, 1)
+            outs.append(
+                F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)[0].transpose(0, 1)
+            )
+        return torch.cat(outs)
+
+    print(f"\nprefill attention, {batch} sequences, {T} tokens, {c.num_heads}/{c.num_kv_heads} heads:")
+    ms = do_bench(lambda: prefill_varlen(q, k, v, meta))
+    print(f"  flash varlen (ours): {ms:.3f} ms = {flops / ms / 1e9:.0f} TFLOP/s")
+    for backend in ("cudnn", "flash", "efficient"):
+        for gqa in (True, False):
+            try:
+                with sdpa_context(backend, dev):
+                    err = float((per_seq(gqa).float() - ref.float()).norm() / ref.float().norm())
+                    ms = do_bench(lambda gqa=gqa: per_seq(gqa))
+                print(f"  SDPA {backend} per sequence, gqa={'enable_gqa' if gqa else 'repeat'}: {ms:.3f} ms = "
+                      f"{flops / ms / 1e9:.0f} TFLOP/s, rel diff vs varlen {err:.1e}")  # fmt: skip
+            except RuntimeError as e:
+                print(f"  SDPA {backend} gqa={gqa}: unavailable ({str(e).splitlines()[0][:80]})")
 
 
 if __name__ == "__main__":
