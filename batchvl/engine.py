@@ -69,7 +69,7 @@ class EngineConfig:
     cuda_graphs: bool = True  # decode steps replayed from CUDA graphs (CUDA only; rows padded to 8)
     vit_mode: str = "auto"
     vit_splits: int = 2
-    attn_backend: str = "auto"  # "auto" | "sdpa" | "varlen"
+    attn_backend: str = "auto"  # LLM prefill: "auto" | "sdpa" | "varlen" | "cudnn" (per-sequence SDPA)
 
 
 @dataclass
@@ -135,6 +135,7 @@ def packed_meta(lengths: list[int], prefix_lens: list[int], device) -> tuple[tor
     pos = torch.cat([torch.arange(p, p + n) for p, n in zip(prefix_lens, lengths, strict=True)])
     meta = AttnMeta(
         cu_seqlens=cu.to(device),
+        cu_seqlens_host=cu,
         max_seqlen=max(lengths),
         slot_b=rows.to(device),
         slot_pos=pos.to(device),

@@ -159,7 +159,8 @@ def main() -> None:
     ap.add_argument(
         "--modes",
         default="nocache,cache,hf",
-        help="nocache, cache, hf; -cllm leaves the LLM layers eager; +overlap runs the ViT under the previous decode",
+        help="nocache, cache, hf; -cllm leaves the LLM layers eager; +overlap runs the ViT under the previous decode; "
+        "+cudnn: LLM prefill attention per sequence through cuDNN instead of flash varlen",
     )
     ap.add_argument("--compile-vit", type=int, default=None, help="1 (default; 0 with --smoke)")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU, a few requests")
@@ -217,7 +218,8 @@ def main() -> None:
             cached = mode.startswith("cache")
             ecfg = EngineConfig(max_prefill_tokens=a.budget, max_vit_tiles=a.max_vit_tiles, image_cache=cached,
                                 prefix_cache=cached, compile_llm="-cllm" not in mode,
-                                overlap_vit="+overlap" in mode)  # fmt: skip
+                                overlap_vit="+overlap" in mode,
+                                attn_backend="cudnn" if "+cudnn" in mode else "auto")  # fmt: skip
             budget = a.cache_budget if cached else a.budget
             eng = Engine(model, cfg, ecfg, dev, dtype, encode_fn=encode_fn)
             warm = prepared[: max(2, len(prepared) // 50)]

@@ -2,6 +2,7 @@
 
     python bench/probe.py vit   # both encoders @ 64 tiles, 8 layers, compiled (cuDNN, GELU epilogue): ms per
                                 # layer by kernel kind against the floor parts, and the top kernels
+    python bench/probe.py attn  # LLM prefill attention: flash varlen vs per-sequence SDPA backends
     python bench/probe.py llm   # 38B LLM (64 layers), 16 x 2000 tokens: prefill and 3 decode steps, eager vs
                                 # CUDA-graphed decode vs compiled layers
 
@@ -135,6 +136,16 @@ def llm(batch: int = 16, length: int = 2000, layers: int = 64) -> None:
     print(f"\ndecode weight-read floor at 4.8 TB/s: {weights / 4.8e12 * 1e3:.1f} ms per step")
 
 
+def attn() -> None:
+    """LLM prefill attention alone at 38B (16 sequences) and 8B (32 sequences) shapes: flash varlen vs SDPA per
+    sequence with each backend."""
+    from profile_llm import prefill_attention
+
+    for preset, batch in (("internvl2_5-38b", 16), ("internvl2_5-8b", 32)):
+        print(f"\n## {preset}")
+        prefill_attention(batch, from_preset(preset).llm, DEV, DT)
+
+
 if __name__ == "__main__":
     torch.manual_seed(0)
-    {"vit": vit, "llm": llm}[sys.argv[1]]()
+    {"vit": vit, "llm": llm, "attn": attn}[sys.argv[1]]()

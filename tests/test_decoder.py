@@ -46,6 +46,23 @@ def test_packed_prefill_equals_each_alone():
     torch.testing.assert_close(packed, alone, **TOL)
 
 
+def test_per_sequence_attention_backend_equals_reference():
+    """backend "cudnn" (one SDPA call per sequence in a custom op, GQA by enable_gqa) equals the reference
+    per-sequence path; after a cached prefix it falls back (here to the reference) and still matches."""
+    dec = _decoder()
+    g = torch.Generator().manual_seed(4)
+    seqs = [torch.randint(0, 1000, (n,), generator=g) for n in (7, 1, 23, 12)]
+    with torch.no_grad():
+        want = _run(dec, seqs)
+        for layer in dec.layers:
+            layer.attn.backend = "cudnn"
+        torch.testing.assert_close(_run(dec, seqs), want, **TOL)
+        full = _run(dec, [seqs[2]])
+        cache = KVCache(2, 1, 23, 2, 16, "cpu", torch.float32)
+        _run(dec, [seqs[2][:9]], cache)
+        torch.testing.assert_close(_run(dec, [seqs[2][9:]], cache, prefix=[9]), full[9:], **TOL)
+
+
 def test_prefill_then_decode_equals_full_forward():
     dec = _decoder()
     g = torch.Generator().manual_seed(2)

@@ -89,8 +89,10 @@ def test_eos_stops_unless_ignored():
 
 
 @pytest.mark.slow
-def test_compiled_llm_equals_eager():
-    """Regional torch.compile of the decoder layers: same tokens and logits as eager, over two batch shapes."""
+@pytest.mark.parametrize("attn", ["auto", "cudnn"])
+def test_compiled_llm_equals_eager(attn: str):
+    """Regional torch.compile of the decoder layers: same tokens and logits as eager, over two batch shapes
+    (with "cudnn", the per-sequence attention custom op is traced as one node)."""
     model, cfg = _model()
     s = Sampling(max_new_tokens=3, ignore_eos=True)
     reqs = _requests()
@@ -99,12 +101,13 @@ def test_compiled_llm_equals_eager():
     with torch.inference_mode():
         feats, _ = eager.encode(reqs)
         ref, _ = eager._prefill([r.input_ids for r in reqs], feats, [0] * 5, None, extra=0)
-    fast = Engine(model, cfg, EngineConfig(compile_llm=True))
+    fast = Engine(model, cfg, EngineConfig(compile_llm=True, attn_backend=attn))
     got = [fast.run_batch(reqs[:2], s).output_ids, fast.run_batch(reqs[2:], s).output_ids]
     with torch.inference_mode():
         out, _ = fast._prefill([r.input_ids for r in reqs], feats, [0] * 5, None, extra=0)
     for layer in model.llm.layers:  # leave the shared model eager for other tests
         layer._compiled_call_impl = None
+        layer.attn.backend = "auto"
     assert got == want
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 

@@ -9,7 +9,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchvl.llm.attention import AttnMeta, decode_attention, prefill_sdpa, prefill_varlen, varlen_available
+from batchvl.llm.attention import (
+    AttnMeta,
+    decode_attention,
+    prefill_per_seq,
+    prefill_sdpa,
+    prefill_varlen,
+    varlen_available,
+)
 from batchvl.llm.kv_cache import KVCache
 from batchvl.model.config import LLMConfig
 
@@ -69,7 +76,7 @@ class Attention(nn.Module):
             cfg.hidden_size, (self.n_heads + 2 * self.n_kv) * self.head_dim, bias=cfg.qkv_bias
         )
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
-        self.backend = "auto"  # "auto" | "sdpa" | "varlen"
+        self.backend = "auto"  # "auto" | "sdpa" | "varlen" | "cudnn" (see llm/attention.py)
 
     def forward(
         self, x, cos, sin, meta: AttnMeta, kv: tuple[torch.Tensor, torch.Tensor] | None
@@ -88,7 +95,9 @@ class Attention(nn.Module):
         if meta.is_decode:
             o = decode_attention(q, kc, vc, meta.kv_lens)
         else:
-            if self.backend == "varlen" or (self.backend == "auto" and varlen_available(q)):
+            if self.backend == "cudnn" and meta.key_rows is None:
+                o = prefill_per_seq(q, k, v, meta, "cudnn")
+            elif self.backend == "varlen" or (self.backend in ("auto", "cudnn") and varlen_available(q)):
                 o = prefill_varlen(q, k, v, meta, kc, vc)
             else:
                 o = prefill_sdpa(q, k, v, meta, kc, vc)
