@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The GPU runs that belong together, one step per device call (each bounded to fit one call's 600 s).
 # Usage on the device (after ../shared/tools/device-prep here; carry .whl and .data):
-#   bash bench/session.sh parity|parity-e2e|parity38-e2e|e2e-both|final|final-8b|probe-llm|probe-vit|vit64|vit|e2e|e2e-fast|e2e-8b
+#   bash bench/session.sh parity|parity-e2e|parity38-e2e|e2e-both|final|probe-llm|probe-vit|vit64|vit|e2e|e2e-fast|e2e-8b
 # Full logs land in $OUT (when set); each step ends with the table to copy into bench/RESULTS.md.
 set -u
-what=${1:?parity|parity-e2e|parity38-e2e|e2e-both|final|final-8b|probe-llm|probe-vit|vit64|vit|e2e|e2e-fast|e2e-8b}
+what=${1:?parity|parity-e2e|parity38-e2e|e2e-both|final|probe-llm|probe-vit|vit64|vit|e2e|e2e-fast|e2e-8b}
 out=${OUT:-/tmp}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
@@ -41,11 +41,11 @@ e2e-both)  # 38B without caches vs transformers (caches measured at 21x in sessi
     2>&1 | tee "$out/e2e.log" | grep -E 'compiled|stages|greedy|^\||ceiling|RESULT|Error'
   timeout 220 python3 bench/e2e.py --preset internvl2_5-8b --n 500 --hf-n 64 --hf-batches 32 --budget 65536 \
     --modes nocache,hf 2>&1 | tee "$out/e2e_8b.log" | grep -E 'compiled|stages|^\||ceiling|RESULT|Error' ;;
-final)  # prefill attention backends alone, then the 38B seed job: no caches (flash varlen, then cuDNN per sequence)
+final)  # prefill attention backends alone; the 38B seed job (no caches) vs transformers; the 8B one, also with the
+  # LLM prefill attention per sequence through cuDNN (~8 min)
   timeout 45 python3 bench/probe.py attn 2>&1 | grep -vE 'Warning|warn' | tail -20
-  timeout 545 python3 bench/e2e.py --n 500 --hf-n 32 --hf-batches 16 --modes nocache,hf,nocache+cudnn \
-    2>&1 | tee "$out/e2e.log" | grep -E 'compiled|stages|^\||ceiling|RESULT|Error' ;;
-final-8b)  # the 8B seed job the same way
+  timeout 330 python3 bench/e2e.py --n 500 --hf-n 32 --hf-batches 16 --modes nocache,hf \
+    2>&1 | tee "$out/e2e.log" | grep -E 'compiled|stages|^\||ceiling|RESULT|Error'
   timeout 200 python3 bench/e2e.py --preset internvl2_5-8b --n 500 --hf-n 64 --hf-batches 32 --budget 65536 \
     --modes nocache,hf,nocache+cudnn 2>&1 | tee "$out/e2e_8b.log" | grep -E 'compiled|stages|^\||ceiling|RESULT|Error' ;;
 e2e)  # the seed job at 38B shapes: no caches, caches, transformers at two batch sizes (~7 min)
