@@ -83,6 +83,7 @@ class EngineSpec:
     compile_llm: bool | None = None  # regional torch.compile of the decoder layers; None: on CUDA only
     overlap_vit: bool = False  # not yet measured on a GPU: off by default
     cuda_graphs: bool = True  # decode steps replayed from CUDA graphs (CUDA only)
+    attn_backend: str = "auto"  # LLM prefill attention: auto | sdpa | varlen | cudnn
 
 
 @dataclass
@@ -290,6 +291,7 @@ def _validate(job: Job) -> None:
     for k in ("max_prefill_tokens", "max_vit_tiles", "vit_splits"):
         _at_least(getattr(e, k), 1, f"job.engine.{k}")
     _choice(e.vit_mode, ("auto", "tp", "dp"), "job.engine.vit_mode")
+    _choice(e.attn_backend, ("auto", "sdpa", "varlen", "cudnn"), "job.engine.attn_backend")
     _choice(e.vit_compile_mode, ("default", "max-autotune-no-cudagraphs"), "job.engine.vit_compile_mode")
     _at_least(g.max_new_tokens, 1, "job.generation.max_new_tokens")
     _at_least(g.temperature, 0, "job.generation.temperature")
