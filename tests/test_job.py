@@ -213,7 +213,11 @@ def test_hf_path_may_be_a_local_dir_or_a_cached_dataset_name(tmp_path, files):
 
 
 def test_engine_choices_are_checked(tmp_path):
-    for key, bad in (("engine.vit_mode", "sideways"), ("engine.vit_compile_mode", "turbo"), ("engine.attn_backend", "fa9")):
+    for key, bad in (
+        ("engine.vit_mode", "sideways"),
+        ("engine.vit_compile_mode", "turbo"),
+        ("engine.attn_backend", "fa9"),
+    ):
         with pytest.raises(JobError, match=f"job.{key}"):
             load_job(REPO / "jobs/demo.yaml", [f"{key}={bad}", f"output.dir={tmp_path}"])
 
