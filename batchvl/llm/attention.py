@@ -3,9 +3,10 @@
 Prefill takes a flat token tensor plus `cu_seqlens` (no padding). Backends:
 - "sdpa": one causal SDPA call per sequence (the reference; any device);
 - "varlen": `torch.nn.attention.varlen.varlen_attn` (flash varlen, CUDA), when this torch has it;
-- "cudnn": one causal SDPA call per sequence with cuDNN's kernel tried first, inside one custom op so a compiled
-  layer traces it as a single node (`causal_attn_per_seq`); cuDNN's attention ran 1.5x flash's at the ViT's
-  shapes on an H200. Prefill after a cached prefix takes the varlen path.
+- "cudnn" (opt-in): one causal SDPA call per sequence with cuDNN's kernel tried first, inside one custom op so a
+  compiled layer traces it as a single node (`causal_attn_per_seq`). On an H200 it ran 1.6x flash varlen alone at
+  fixed lengths, but made the seed job's prefill 41% slower (likely a cuDNN plan per new sequence length; see
+  bench/RESULTS.md), so it is not the default. Prefill after a cached prefix takes the varlen path.
 """
 
 from __future__ import annotations
