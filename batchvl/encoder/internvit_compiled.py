@@ -9,9 +9,9 @@ Same math as `internvit.py`; what differs is only where the graph boundaries lie
 - qkv is one GEMM ([q; k; v] rows), the full-width q/k RMSNorm is a fused Inductor reduction over C;
 - SDPA runs under an explicit backend choice (flash / cuDNN / efficient) on GPU;
 - fc1 + GELU is one cuBLASLt GEMM with a GELU epilogue (`gelu_epilogue`, on by default), which saves the MLP's
-  widest elementwise pass: measured on an H200 at 64 tiles, InternViT-6B 48.9 -> 50.4 tiles/s, 300M 604 -> 652. On CUDA that epilogue is GELU's tanh form, at most 4.7e-4 from exact GELU (at
-  |x| = 2.7, where bf16's spacing is 1.6e-2); `bench/gpu_parity.py` bounds the bf16 feature error. On CPU the
-  same call computes exact GELU;
+  widest elementwise pass (H200, 64 tiles: InternViT-6B 48.9 -> 50.4 tiles/s, 300M 604 -> 652). On CUDA that
+  epilogue is GELU's tanh form, at most 4.7e-4 from exact GELU (at |x| = 2.7, where bf16's spacing is 1.6e-2);
+  `bench/gpu_parity.py` bounds the bf16 feature error. On CPU the same call computes exact GELU;
 - tile batches are padded up to a bucket so a long job compiles a handful of shapes, never one per count.
 """
 
@@ -193,7 +193,7 @@ class CompiledEncoder:
     `buckets` (default: `default_buckets(max_tiles)`); larger calls run in chunks of the largest bucket.
     `cache_dir` sets TORCHINDUCTOR_CACHE_DIR (if unset) for the FX/AOT/autotune caches.
     attn_backend: the SDPA backend tried first ("cudnn" measured fastest at these shapes on an H200; the others
-    are the fallback). gelu_epilogue: fc1 + GELU as one cuBLASLt GEMM (see the module docstring; off = exact GELU in Inductor).
+    are the fallback). gelu_epilogue: fc1 + GELU as one cuBLASLt GEMM (module docstring); off: exact GELU in Inductor.
     """
 
     def __init__(

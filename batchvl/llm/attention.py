@@ -5,8 +5,8 @@ Prefill takes a flat token tensor plus `cu_seqlens` (no padding). Backends:
 - "varlen": `torch.nn.attention.varlen.varlen_attn` (flash varlen, CUDA), when this torch has it;
 - "cudnn" (opt-in): one causal SDPA call per sequence with cuDNN's kernel tried first, inside one custom op so a
   compiled layer traces it as a single node (`causal_attn_per_seq`). On an H200 it ran 1.6x flash varlen alone at
-  fixed lengths, but made the seed job's prefill 41% slower (likely a cuDNN plan per new sequence length; see
-  bench/RESULTS.md), so it is not the default. Prefill after a cached prefix takes the varlen path.
+  fixed lengths, but made the seed job's prefill 41% slower (not profiled; suspected: a cuDNN plan per new sequence
+  length, see bench/RESULTS.md), so it is not the default. Prefill after a cached prefix takes the varlen path.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from batchvl.encoder.internvit_compiled import sdpa_context
 
 
 @dataclass
@@ -118,8 +120,6 @@ def causal_attn_per_seq(
 ) -> torch.Tensor:
     """q [T, H, D], k/v [T, Hkv, D] packed, cu_seqlens_host [B+1] (CPU) -> [T, H, D]: causal attention within each
     sequence, one SDPA call per sequence with `backend` tried first (GQA by SDPA's enable_gqa)."""
-    from batchvl.encoder.internvit_compiled import sdpa_context
-
     out = torch.empty_like(q)
     gqa = q.shape[1] != k.shape[1]
     cu = cu_seqlens_host.tolist()
