@@ -62,7 +62,7 @@ class EngineConfig:
     prefix_cache: bool = False
     prefix_cache_entries: int = 8
     compile_vit: bool = True
-    vit_compile_mode: str = "default"  # or "max-autotune-no-cudagraphs" (slower to compile)
+    vit_compile_mode: str = "tuned"  # "default" | "tuned" | "max-autotune-no-cudagraphs" (internvit_compiled)
     vit_gelu_epilogue: bool = True  # compiled ViT: fc1 + GELU as one cuBLASLt GEMM (+3% 6B, +8% 300M on H200)
     compile_llm: bool | None = None  # regional torch.compile of the decoder layers; None: on CUDA only
     overlap_vit: bool = False  # run a batch's ViT on a side stream under the previous batch's decode (CUDA)

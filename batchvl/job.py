@@ -76,7 +76,7 @@ class EngineSpec:
     image_cache: bool = False
     prefix_cache: bool = False
     compile_vit: bool = True
-    vit_compile_mode: str = "default"
+    vit_compile_mode: str = "tuned"
     vit_gelu_epilogue: bool = True
     vit_mode: str = "auto"
     vit_splits: int = 2
@@ -292,7 +292,8 @@ def _validate(job: Job) -> None:
         _at_least(getattr(e, k), 1, f"job.engine.{k}")
     _choice(e.vit_mode, ("auto", "tp", "dp"), "job.engine.vit_mode")
     _choice(e.attn_backend, ("auto", "sdpa", "varlen", "cudnn"), "job.engine.attn_backend")
-    _choice(e.vit_compile_mode, ("default", "max-autotune-no-cudagraphs"), "job.engine.vit_compile_mode")
+    modes = ("default", "tuned", "max-autotune-no-cudagraphs")  # = encoder.internvit_compiled.COMPILE_MODES
+    _choice(e.vit_compile_mode, modes, "job.engine.vit_compile_mode")
     _at_least(g.max_new_tokens, 1, "job.generation.max_new_tokens")
     _at_least(g.temperature, 0, "job.generation.temperature")
     if not 0 < g.top_p <= 1:

@@ -2,6 +2,8 @@
 
     python bench/probe.py vit   # both encoders @ 64 tiles, 8 layers, compiled (cuDNN, GELU epilogue): ms per
                                 # layer by kernel kind against the floor parts, and the top kernels
+    python bench/probe.py parts # the pieces above the ViT floor: attention layouts, patch embed conv vs GEMM,
+                                # Inductor coordinate descent, launch gaps (8-layer forward, both encoders)
     python bench/probe.py attn  # LLM prefill attention: flash varlen vs per-sequence SDPA backends
     python bench/probe.py llm   # 38B LLM (64 layers), 16 x 2000 tokens: prefill and 3 decode steps, eager vs
                                 # CUDA-graphed decode vs compiled layers
@@ -98,6 +100,92 @@ def vit(tiles: int = 64, layers: int = 8) -> None:
         torch.cuda.empty_cache()
 
 
+def parts(tiles: int = 64, layers: int = 8) -> None:
+    """The ViT pieces above the floor, each alone: SDPA by q/k/v layout, the patch embedding as cuDNN's conv vs
+    one GEMM over unfolded patches, and the compiled 8-layer forward by do_bench vs back-to-back CUDA events
+    (launch gaps), with and without Inductor's coordinate descent (compile time included)."""
+    for preset in ("internvl2_5-38b", "internvl2_5-8b"):
+        _vit_parts(preset, tiles, layers)
+        torch.cuda.empty_cache()
+
+
+def _vit_parts(preset: str, tiles: int, layers: int) -> None:
+    import time
+
+    from batchvl.encoder.internvit_compiled import CompiledEncoder
+
+    cfg = from_preset(preset)
+    v = cfg.vision
+    B, T, C, H, D = tiles, v.num_patches + 1, v.hidden_size, v.num_heads, v.head_dim
+    print(f"\n## {preset} vision, {tiles} tiles\n")
+    row("SDPA q/k/v layout", "cudnn ms", "flash ms", "out strides (cudnn)")
+    row(*["---"] * 4)
+    qkv = torch.randn(B, T, 3 * C, device=DEV, dtype=DT)
+    heads = lambda t: t.reshape(B, T, H, D).transpose(1, 2)  # noqa: E731  [B, H, T, D] view
+    q0 = torch.randn(B, H, T, D, device=DEV, dtype=DT)
+    k0, v0 = torch.randn_like(q0), torch.randn_like(q0)
+    qc, kc = (torch.randn(B, T, C, device=DEV, dtype=DT) for _ in range(2))
+    for name, (q, k, vv) in {
+        "q=k=v, [B,H,T,D] contiguous (the floor)": (q0, q0, q0),
+        "q, k, v [B,H,T,D] contiguous": (q0, k0, v0),
+        "views of one [B,T,3C] (300M as is)": tuple(heads(t) for t in qkv.chunk(3, -1)),
+        "q, k [B,T,C] contiguous, v view of [B,T,3C] (6B as is)": (
+            heads(qc),
+            heads(kc),
+            heads(qkv[..., 2 * C :]),
+        ),
+    }.items():
+        cells, strides = [], ""
+        for backend in ("cudnn", "flash"):
+            with sdpa_context(backend, DEV):
+                f = lambda q=q, k=k, vv=vv: F.scaled_dot_product_attention(q, k, vv)  # noqa: E731
+                cells.append(f"{bench_ms(f, DEV):.3f}")
+                strides = strides or str(f().stride())
+        row(name, *cells, strides)
+    enc = random_encoder(replace(cfg, vision=replace(v, num_layers=layers)), DEV, DT)
+    conv = enc.vit.embeddings.patch_embedding
+    px = torch.randn(B, 3, v.image_size, v.image_size, device=DEV, dtype=DT)
+    p, g = v.patch_size, v.image_size // v.patch_size
+
+    def gemm(px, pad):
+        x = px.reshape(B, 3, g, p, g, p).permute(0, 2, 4, 1, 3, 5).reshape(B * g * g, 3 * p * p)
+        w = conv.weight.reshape(C, -1)
+        if pad:
+            x, w = F.pad(x, (0, pad)), F.pad(w, (0, pad))
+        return F.linear(x, w, conv.bias)
+
+    ref = conv(px).flatten(2).transpose(1, 2).reshape(B * g * g, C)
+    print()
+    row("patch embedding", "ms", "rel diff vs conv")
+    row("---", "---", "---")
+    row("cuDNN conv (eager)", f"{bench_ms(lambda: conv(px), DEV):.3f}", "0")
+    for pad in (0, -3 * p * p % 8, -3 * p * p % 64):
+        fn = torch.compile(lambda px, pad=pad: gemm(px, pad))
+        err = float((fn(px).float() - ref.float()).norm() / ref.float().norm())
+        row(f"compiled unfold + GEMM, K {3 * p * p} + {pad}", f"{bench_ms(lambda fn=fn: fn(px), DEV):.3f}",
+            f"{err:.1e}")  # fmt: skip
+    print()
+    row(f"{layers}-layer compiled forward", "compile s", "do_bench ms", "10 back-to-back ms / call")
+    row(*["---"] * 4)
+    for name, opts in (("default", None), ("coordinate descent", {"coordinate_descent_tuning": True})):
+        torch._dynamo.reset()
+        with torch._inductor.config.patch(**(opts or {})):
+            ce = CompiledEncoder(enc, buckets=[tiles])
+            t0 = time.perf_counter()
+            ce(px)
+            torch.cuda.synchronize()
+            comp = time.perf_counter() - t0
+        ms = bench_ms(lambda ce=ce: ce(px), DEV, warmup=3, rep=20)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(10):
+            ce(px)
+        b.record()
+        torch.cuda.synchronize()
+        row(name, f"{comp:.1f}", f"{ms:.1f}", f"{a.elapsed_time(b) / 10:.1f}")
+    torch._dynamo.reset()
+
+
 def llm(batch: int = 16, length: int = 2000, layers: int = 64) -> None:
     from batchvl.engine import Engine, EngineConfig, Request, Sampling
     from batchvl.model.loader import random_model
@@ -148,4 +236,4 @@ def attn() -> None:
 
 if __name__ == "__main__":
     torch.manual_seed(0)
-    {"vit": vit, "llm": llm, "attn": attn}[sys.argv[1]]()
+    {"vit": vit, "parts": parts, "llm": llm, "attn": attn}[sys.argv[1]]()

@@ -33,7 +33,8 @@ def main() -> None:
     dev, dt = torch.device("cuda"), torch.bfloat16
     model, cfg = random_model(cfg, dev, dt, seed=0)
     g = torch.Generator().manual_seed(0)
-    reqs = [Request(torch.randint(0, 150000, (2000,), generator=g)) for _ in range(a.batch)]
+    top = min(150000, cfg.image_token_id)  # text tokens only, inside the vocabulary (8B: 92553)
+    reqs = [Request(torch.randint(0, top, (2000,), generator=g)) for _ in range(a.batch)]
     eng = Engine(model, cfg, EngineConfig(compile_llm=bool(a.compile_llm)), dev, dt)
     s = Sampling(max_new_tokens=4, ignore_eos=True)
     for i in range(3):

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The GPU runs that belong together, one step per device call (each bounded to fit one call's 600 s).
 # Usage on the device (after ../shared/tools/device-prep here; carry .whl and .data):
-#   bash bench/session.sh parity|parity-e2e|parity38-e2e|e2e-both|final|probe-llm|probe-vit|vit64|vit|e2e|e2e-fast|e2e-8b
+#   bash bench/session.sh parity|parity-e2e|parity38-e2e|e2e-both|final|probe-llm|probe-vit|parts|vit64-modes|e2e-cudnn|vit64|vit|e2e|e2e-fast|e2e-8b
 # Full logs land in $OUT (when set); each step ends with the table to copy into bench/RESULTS.md.
 set -u
-what=${1:?parity|parity-e2e|parity38-e2e|e2e-both|final|probe-llm|probe-vit|vit64|vit|e2e|e2e-fast|e2e-8b}
+what=${1:?parity|parity-e2e|parity38-e2e|e2e-both|final|probe-llm|probe-vit|parts|vit64-modes|e2e-cudnn|vit64|vit|e2e|e2e-fast|e2e-8b}
 out=${OUT:-/tmp}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
@@ -16,11 +16,25 @@ parity)  # bf16 fast paths vs fp32 on the same weights (~90 s)
 probe-llm)  # parity of every fast path, then decode eager vs CUDA graphs vs compiled layers at 64 layers
   timeout 250 python3 bench/gpu_parity.py 2>&1 | tee "$out/parity.log" | grep '^|'
   timeout 300 python3 bench/probe.py llm 2>&1 | tee "$out/probe_llm.log" | grep -E '^\||^#|captured|floor|Error' ;;
+parts)  # the ViT pieces above the floor alone, then the 8B LLM's packed prefill profile
+  timeout 330 python3 bench/probe.py parts 2>&1 | tee "$out/probe_parts.log" | grep -E '^\||^#|Error' 
+  timeout 200 python3 bench/profile_llm.py --preset internvl2_5-8b --layers 8 --batch 32 --compile-llm 1 2>&1 \
+    | tee "$out/profile_llm_8b.log" | grep -vE 'Warning|warn' | tail -45 ;;
 probe-vit)  # where ViT time above the floor goes: both encoders @ 64 tiles, 8 layers, kernel kinds vs floor parts
   timeout 300 python3 bench/probe.py vit 2>&1 | tee "$out/probe_vit.log" | grep -vE 'Warning|warn' | tail -120
   # and the 8B LLM's packed prefill (compiled layers, 64k tokens, 8 layers): what is left beside the GEMMs
   timeout 200 python3 bench/profile_llm.py --preset internvl2_5-8b --layers 8 --batch 32 --compile-llm 1 2>&1 \
     | tee "$out/profile_llm_8b.log" | grep -vE 'Warning|warn' | tail -40 ;;
+vit64-modes)  # parity of every fast path, then both encoders at 64 tiles: ours eager / compiled (tuned, the engine's
+  # default) / compiled (default mode), transformers eager and compiled
+  timeout 130 python3 bench/gpu_parity.py 2>&1 | tee "$out/parity.log" | grep '^|'
+  timeout 420 python3 bench/vit.py --batches 64 --mode tuned --vs-mode default --hf-mode default --budget-s 330 \
+    2>&1 | tee "$out/vit.log" | grep -E 'floor|compile|^\||attention' | tail -30 ;;
+e2e-cudnn)  # the 38B seed job (no caches) vs transformers b=16; the 8B one, also with per-sequence cuDNN attention
+  timeout 300 python3 bench/e2e.py --n 500 --hf-n 32 --hf-batches 16 --modes nocache,hf \
+    2>&1 | tee "$out/e2e.log" | grep -E 'compiled|stages|^\||ceiling|RESULT|Error'
+  timeout 250 python3 bench/e2e.py --preset internvl2_5-8b --n 500 --hf-n 64 --hf-batches 32 --budget 65536 \
+    --modes nocache,hf,nocache+cudnn 2>&1 | tee "$out/e2e_8b.log" | grep -E 'compiled|stages|^\||ceiling|RESULT|Error' ;;
 vit64)  # parity of every fast path, then both encoders at 64 tiles: ours eager / compiled / + GELU epilogue, transformers
   timeout 150 python3 bench/gpu_parity.py 2>&1 | tee "$out/parity.log" | grep '^|'
   timeout 390 python3 bench/vit.py --batches 64 --mode default --hf-mode default --budget-s 300 \

@@ -276,9 +276,9 @@ def run_model(name: str, args, dev: torch.device, dtype: torch.dtype, ceiling: f
     buckets = [args.max_bucket] if args.max_bucket else list(args.batches)  # exact sizes: no padding
     ce = compile_encoder(enc, mode=args.mode, buckets=buckets, attn_backend=backend)
     variants: dict[str, object] = {"ours-eager": enc, "ours-compiled": ce}
-    if not args.no_epilogue:  # fc1 + GELU as one cuBLASLt GEMM (the engine's default on CUDA)
-        variants["ours-compiled-gelu-epi"] = compile_encoder(
-            enc, mode=args.mode, buckets=buckets, attn_backend=backend, gelu_epilogue=True
+    if args.vs_mode:  # ours compiled in a second mode, on the same inputs in the same run
+        variants[f"ours-{args.vs_mode}"] = compile_encoder(
+            enc, mode=args.vs_mode, buckets=buckets, attn_backend=backend
         )
     if not args.skip_hf:
         variants["hf-sdpa"] = hf_forward(hf_model(enc, dev, dtype))
@@ -320,7 +320,7 @@ def run_model(name: str, args, dev: torch.device, dtype: torch.dtype, ceiling: f
                 sec, iters = time_calls(fn, px, args.target_s, args.max_iters)
             peak = torch.cuda.max_memory_allocated() if dev.type == "cuda" else 0
             tps = base[vname] = b / sec
-            mode = {"ours-compiled": args.mode, "ours-compiled-gelu-epi": args.mode,
+            mode = {"ours-compiled": args.mode, f"ours-{args.vs_mode}": args.vs_mode,
                     "hf-sdpa-compiled": args.hf_mode}.get(vname)  # fmt: skip
             row = dict(model=name, tiles=b, variant=vname, tiles_per_s=tps, ms=sec * 1e3, iters=iters,
                        floor_tiles_per_s=b / (fl["total_ms"] * 1e-3), floor_vit_tiles_per_s=b / (fl["vit_ms"] * 1e-3),
@@ -328,7 +328,7 @@ def run_model(name: str, args, dev: torch.device, dtype: torch.dtype, ceiling: f
                        peak_gib=peak / 2**30, act_peak_gib=(peak - mem0) / 2**30,
                        compile_s=first_call[vname, b] if mode else None,  # first call at this shape, one run included
                        rel_err=errs.get(vname), floor=fl, attn_backend=backend, mode=mode,
-                       buckets=ce.buckets if vname.startswith("ours-compiled") else None)  # fmt: skip
+                       buckets=ce.buckets if mode and vname.startswith("ours") else None)  # fmt: skip
             rows.append(row)
             print(f"{name:>6} {b:4d} {vname:>17}: {tps:8.2f} tiles/s  x{row['x_floor']:.3f} floor  "
                   f"MFU {row['mfu']:.1%}  peak {row['peak_gib']:.1f} GiB", flush=True)  # fmt: skip
@@ -379,16 +379,16 @@ def main() -> None:
     ap.add_argument("--models", default="6b,300m")
     ap.add_argument("--batches", default="16,64,128")
     ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument(
-        "--no-epilogue", action="store_true", help="skip ours compiled with the fc1+GELU epilogue"
-    )
+    ap.add_argument("--vs-mode", default="", help="also run ours compiled in this ViT compile mode")
     ap.add_argument(
         "--quick", action="store_true", help="batches 16,64; shorter timing; compile mode default"
     )
     ap.add_argument(
         "--smoke", action="store_true", help="CPU-friendly: tiny configs, batch 2, 1-2 iterations"
     )
-    ap.add_argument("--mode", default="max-autotune-no-cudagraphs", help="ours: torch.compile mode")
+    ap.add_argument(
+        "--mode", default="tuned", help="ours: ViT compile mode (default | tuned | max-autotune-...)"
+    )
     ap.add_argument(
         "--hf-mode", default="max-autotune-no-cudagraphs", help="transformers: torch.compile mode"
     )

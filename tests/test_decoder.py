@@ -57,6 +57,15 @@ def test_per_sequence_attention_backend_equals_reference():
         for layer in dec.layers:
             layer.attn.backend = "cudnn"
         torch.testing.assert_close(_run(dec, seqs), want, **TOL)
+        # long enough that windows rounded up to PER_SEQ_ROWS borrow the next sequence's rows (70 -> 128, 5 -> 64),
+        # and the last ones do not fit (130, 3: exact lengths)
+        long = [torch.randint(0, 1000, (n,), generator=g) for n in (70, 5, 130, 3)]
+        for layer in dec.layers:
+            layer.attn.backend = "sdpa"
+        want_long = _run(dec, long)
+        for layer in dec.layers:
+            layer.attn.backend = "cudnn"
+        torch.testing.assert_close(_run(dec, long), want_long, **TOL)
         full = _run(dec, [seqs[2]])
         cache = KVCache(2, 1, 23, 2, 16, "cpu", torch.float32)
         _run(dec, [seqs[2][:9]], cache)

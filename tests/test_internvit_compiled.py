@@ -9,9 +9,11 @@ from test_internvit import build_pair
 from batchvl.encoder.internvit_compiled import (
     bucket_for,
     compile_encoder,
+    compile_kwargs,
     default_buckets,
     fast_forward,
     padded_fraction,
+    patch_embed_gemm,
 )
 
 ATOL, RTOL = 1e-5, 1e-4
@@ -38,10 +40,37 @@ def test_fast_forward_eager_equals_reference(kind: str) -> None:
     """Uncompiled, the fast forward is the reference math with different graph boundaries."""
     enc, _ = build_pair(kind)
     px = torch.randn(3, 3, 112, 112)
+
+    def conv_embed(emb, norm1, px):  # the reference's patch conv: everything else must then be bit-identical
+        x = emb(px)
+        return x, norm1(x)
+
     with torch.no_grad():
-        torch.testing.assert_close(fast_forward(enc, px), enc(px), atol=0, rtol=0)
+        torch.testing.assert_close(fast_forward(enc, px, embed=conv_embed), enc(px), atol=0, rtol=0)
+        # the patch conv as one GEMM over unfolded patches: the same sums in another order
+        torch.testing.assert_close(fast_forward(enc, px), enc(px), atol=ATOL, rtol=RTOL)
         # fc1 + GELU as one addmm-with-activation (exact GELU on CPU): same math, another GEMM call
         torch.testing.assert_close(fast_forward(enc, px, gelu_epilogue=True), enc(px), atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("size", [(112, 112), (125, 98)])
+def test_patch_embed_gemm_equals_conv(size: tuple[int, int]) -> None:
+    """Unfold + GEMM == the stride-p conv, also on sizes that do not divide by the patch (the conv drops the rest)."""
+    conv = torch.nn.Conv2d(3, 40, kernel_size=14, stride=14)
+    px = torch.randn(2, 3, *size)
+    x, gh, gw = patch_embed_gemm(conv, px)
+    with torch.no_grad():
+        ref = conv(px)  # [B, C, gh, gw]
+    assert (gh, gw) == tuple(ref.shape[2:])
+    torch.testing.assert_close(x, ref.flatten(2).transpose(1, 2), atol=ATOL, rtol=RTOL)
+
+
+def test_compile_modes() -> None:
+    assert compile_kwargs("default") == {}
+    assert compile_kwargs("tuned") == {"options": {"coordinate_descent_tuning": True}}
+    assert compile_kwargs("max-autotune-no-cudagraphs") == {"mode": "max-autotune-no-cudagraphs"}
+    with pytest.raises(ValueError, match="turbo"):
+        compile_kwargs("turbo")
 
 
 @pytest.mark.slow
@@ -77,7 +106,8 @@ def test_compiled_matches_eager_no_recompile_within_bucket() -> None:
 def test_compiled_300m_chunks_over_largest_bucket() -> None:
     """300M-style (LayerNorm, qkv bias), exact GELU: 9 tiles with one bucket of 4 run as 4+4+1(padded), one compile."""
     enc, _ = build_pair("300m")
-    ce = compile_encoder(enc, buckets=[4], gelu_epilogue=False)  # the other MLP path: GELU inside Inductor
+    # the other MLP path (GELU inside Inductor), under the "tuned" mode (Inductor options in the compile call)
+    ce = compile_encoder(enc, buckets=[4], gelu_epilogue=False, mode="tuned")
     px = torch.randn(9, 3, 112, 112)
     got = ce(px)
     with torch.no_grad():

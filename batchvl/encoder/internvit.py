@@ -58,8 +58,12 @@ class InternViTEmbeddings(nn.Module):
     def forward(self, pixel_values: Tensor) -> Tensor:
         w = self.patch_embedding.weight
         x = self.patch_embedding(pixel_values.to(w.dtype))  # [B, C, h, w]
-        B, C, gh, gw = x.shape
-        x = x.flatten(2).transpose(1, 2)  # [B, N, C]
+        _, _, gh, gw = x.shape
+        return self.add_cls_and_position(x.flatten(2).transpose(1, 2), gh, gw)
+
+    def add_cls_and_position(self, x: Tensor, gh: int, gw: int) -> Tensor:
+        """Patch features [B, N, C] of a gh x gw grid -> [B, 1+N, C] with CLS first and positions added."""
+        B, _, C = x.shape
         cls = self.class_embedding.to(x.dtype).expand(B, 1, C)  # [B, 1, C]
         return torch.cat([cls, x], dim=1) + self.position_for(gh, gw)  # [B, 1+N, C]
 

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from batchvl.encoder.internvit import InternViTLayer, InternViTMLP, VisionEncoder, vit_to_tokens
+from batchvl.encoder.internvit_compiled import compile_kwargs
 from batchvl.model.config import InternVLConfig, VisionConfig
 
 
@@ -212,9 +213,7 @@ class TPVisionEncoder(nn.Module):
         if not hasattr(enc, "tp_group"):
             shard_vit_tp(enc, group)
         self.enc, self.group, self.micro_batches = enc, group, micro_batches
-        opts = dict(
-            mode=None if compile_mode in (None, "default") else compile_mode, dynamic=False, fullgraph=True
-        )
+        opts = dict(**compile_kwargs(compile_mode or "default"), dynamic=False, fullgraph=True)
         self.fns = {k: torch.compile(f, **opts) for k, f in TP_STAGES.items()} if compile_mode else TP_STAGES
 
     @torch.no_grad()

@@ -114,20 +114,31 @@ def prefill_varlen(q, k, v, meta: AttnMeta, k_cache=None, v_cache=None) -> torch
     return _VARLEN(q, k, v, cu_q, cu_k, meta.max_seqlen, max_k, **kw)
 
 
+PER_SEQ_ROWS = 64  # causal_attn_per_seq computes each sequence over a window of a multiple of this many rows
+
+
 @torch.library.custom_op("batchvl::causal_attn_per_seq", mutates_args=())
 def causal_attn_per_seq(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_host: torch.Tensor, backend: str
 ) -> torch.Tensor:
     """q [T, H, D], k/v [T, Hkv, D] packed, cu_seqlens_host [B+1] (CPU) -> [T, H, D]: causal attention within each
-    sequence, one SDPA call per sequence with `backend` tried first (GQA by SDPA's enable_gqa)."""
+    sequence, one SDPA call per sequence with `backend` tried first (GQA by SDPA's enable_gqa).
+
+    Each call covers the sequence's rows plus the following ones up to a multiple of PER_SEQ_ROWS, so a job's
+    lengths map to a handful of shapes; the extra rows' outputs are dropped and, the mask being causal, the
+    sequence's own queries never attend to them."""
     out = torch.empty_like(q)
     gqa = q.shape[1] != k.shape[1]
-    cu = cu_seqlens_host.tolist()
+    cu, T = cu_seqlens_host.tolist(), q.shape[0]
     with sdpa_context(backend, q.device):
         for s, e in itertools.pairwise(cu):
-            qs, ks, vs = (t[s:e].transpose(0, 1)[None] for t in (q, k, v))  # [1, heads, n, D]
+            n = e - s
+            w = -(-n // PER_SEQ_ROWS) * PER_SEQ_ROWS  # window rounded up: few distinct shapes (cuDNN plans)
+            w = w if s + w <= T else n  # no rows to borrow at the end: the exact length
+            # rows n..w-1 belong to the next sequence: causal, so the first n queries never see them
+            qs, ks, vs = (t[s : s + w].transpose(0, 1)[None] for t in (q, k, v))  # [1, heads, w, D]
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)
-            out[s:e] = o[0].transpose(0, 1)
+            out[s:e] = o[0, :, :n].transpose(0, 1)
     return out
 
 
