@@ -78,6 +78,7 @@ class EngineSpec:
     compile_vit: bool = True
     vit_compile_mode: str = "tuned"
     vit_gelu_epilogue: bool = True
+    vit_fp8: bool = False
     vit_mode: str = "auto"
     vit_splits: int = 2
     compile_llm: bool | None = None  # regional torch.compile of the decoder layers; None: on CUDA only

@@ -116,6 +116,14 @@ def vision_encoder(model: Any, cfg: InternVLConfig, ecfg: Any, ctx: dist.DistCon
     from batchvl.encoder.internvit_compiled import compile_encoder
     from batchvl.encoder.split_overlap import DPVisionEncoder, TPVisionEncoder, choose_vit_mode
 
+    if ecfg.vit_fp8:
+        from batchvl.encoder.fp8 import fp8_vit
+
+        if ctx is not None and ctx.tp > 1:
+            raise ValueError(
+                "engine.vit_fp8 runs the ViT on one GPU per replica; use model.tp: 1 (or vit_fp8: false)"
+            )
+        fp8_vit(model.vision)  # in place: the four linears of every layer become Fp8Linear
     compiled = (
         compile_encoder(
             model.vision,

@@ -186,6 +186,41 @@ def _vit_parts(preset: str, tiles: int, layers: int) -> None:
     torch._dynamo.reset()
 
 
+def fp8() -> None:
+    """Does torch._scaled_mm take row-wise scales (and a bias) on this GPU and torch, eager and compiled with the
+    per-token quantization in front; and how fast are the 6B/300M ViT GEMMs in FP8 against bf16 (64 tiles)."""
+    from batchvl.encoder.fp8 import Fp8Linear
+
+    M = 64 * 1025
+    row("GEMM (M = 64 tiles x 1025)", "bf16 ms", "fp8 linear ms (quantize + scaled_mm), compiled", "fp8 TFLOP/s",
+        "scaled_mm alone ms", "rel err vs bf16")  # fmt: skip
+    row(*["---"] * 6)
+    for k, n in (
+        (3200, 9600),
+        (3200, 3200),
+        (3200, 12800),
+        (12800, 3200),
+        (1024, 3072),
+        (1024, 4096),
+        (4096, 1024),
+    ):
+        lin = torch.nn.Linear(k, n, device=DEV, dtype=DT)
+        torch.nn.init.normal_(lin.weight, std=0.02)
+        x = torch.randn(M, k, device=DEV, dtype=DT)
+        f8 = Fp8Linear(lin)
+        comp = torch.compile(f8)
+        ref = lin(x)
+        err = float((comp(x).float() - ref.float()).norm() / ref.float().norm())
+        xq, xs = torch.randn(M, k, device=DEV).to(torch.float8_e4m3fn), torch.rand(M, 1, device=DEV)
+        mm = lambda xq=xq, xs=xs, f8=f8: torch._scaled_mm(  # noqa: E731
+            xq, f8.weight_fp8.t(), scale_a=xs, scale_b=f8.weight_scale, out_dtype=DT
+        )
+        ms_mm = bench_ms(mm, DEV)
+        ms = bench_ms(lambda comp=comp, x=x: comp(x), DEV)
+        row(f"{k} -> {n}", f"{bench_ms(lambda lin=lin, x=x: lin(x), DEV):.3f}", f"{ms:.3f}",
+            f"{2 * M * k * n / ms / 1e9:.0f}", f"{ms_mm:.3f}", f"{err:.2e}")  # fmt: skip
+
+
 def llm(batch: int = 16, length: int = 2000, layers: int = 64) -> None:
     from batchvl.engine import Engine, EngineConfig, Request, Sampling
     from batchvl.model.loader import random_model
@@ -236,4 +271,4 @@ def attn() -> None:
 
 if __name__ == "__main__":
     torch.manual_seed(0)
-    {"vit": vit, "parts": parts, "llm": llm, "attn": attn}[sys.argv[1]]()
+    {"vit": vit, "parts": parts, "fp8": fp8, "llm": llm, "attn": attn}[sys.argv[1]]()

@@ -63,7 +63,10 @@ def fast_embed(emb: InternViTEmbeddings, norm1: nn.Module, pixel_values: Tensor)
 
 
 def fast_mlp(mlp: InternViTMLP, x: Tensor) -> Tensor:
-    """mlp(x) with fc1 + GELU in one GEMM (cuBLASLt epilogue on CUDA): [B, T, C] -> [B, T, C]."""
+    """mlp(x) with fc1 + GELU in one GEMM (cuBLASLt epilogue on CUDA): [B, T, C] -> [B, T, C]. An fc1 that is not
+    a plain Linear (FP8, `encoder/fp8.py`) runs the module's own forward."""
+    if not isinstance(mlp.fc1, nn.Linear):
+        return mlp(x)
     B, T, C = x.shape
     h = torch._addmm_activation(mlp.fc1.bias, x.reshape(B * T, C), mlp.fc1.weight.t(), use_gelu=True)
     return mlp.fc2(h).view(B, T, -1)  # h: [B*T, ff]
