@@ -11,10 +11,12 @@ GPU); every request counts as submitted at t=0. MFU is against an 8192^3 bf16 ma
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import sys
 import time
+import types
 from pathlib import Path
 
 import torch
@@ -193,14 +195,19 @@ def main() -> None:
         for p in prepared:
             p.input_ids = [cfg.image_token_id if i == QWEN_IMG_CONTEXT else i % 92000 for i in p.input_ids]
     flops = sum(request_flops(cfg, p.num_tiles, len(p.input_ids), a.new_tokens) for p in prepared)
-    encode_fn = None
-    if a.compile_vit:
+
+    def compiled_vit(fp8: bool = False):
+        """The runner's ViT: compiled (unless --compile-vit 0), with the engine's defaults (cuDNN attention first);
+        fp8: on a copy of the weights with FP8 layer linears. Every tile bucket the timed runs use is compiled
+        before the clock."""
         from batchvl.encoder.internvit_compiled import bucket_for
         from batchvl.runner import vision_encoder
 
-        # the runner's ViT: compiled, with the engine's defaults (cuDNN attention first)
-        encode_fn = vision_encoder(model, cfg, EngineConfig(max_vit_tiles=a.max_vit_tiles), None)
-        # compile every tile bucket the timed runs will use, so no compile lands inside a timing
+        owner = types.SimpleNamespace(vision=copy.deepcopy(model.vision)) if fp8 else model
+        ecfg = EngineConfig(max_vit_tiles=a.max_vit_tiles, vit_fp8=fp8, compile_vit=bool(a.compile_vit))
+        fn = vision_encoder(owner, cfg, ecfg, None)
+        if not a.compile_vit:
+            return fn
         sizes = set()
         for budget in (a.budget, a.cache_budget):
             for idx in batches(prepared, budget):
@@ -208,10 +215,13 @@ def main() -> None:
                 sizes |= {min(a.max_vit_tiles, t - s) for s in range(0, t, a.max_vit_tiles)}
         sizes |= {prepared[0].num_tiles}  # the image cache encodes one image at a time
         t = time.perf_counter()
-        encode_fn.warmup(sorted({bucket_for(s, encode_fn.buckets) for s in sizes}))
-        print(
-            f"compiled ViT buckets {encode_fn.stats.compile_s} in {time.perf_counter() - t:.0f}s", flush=True
-        )
+        fn.warmup(sorted({bucket_for(s, fn.buckets) for s in sizes}))
+        print(f"compiled ViT{' (fp8)' if fp8 else ''} buckets {fn.stats.compile_s} in {time.perf_counter() - t:.0f}s",
+              flush=True)  # fmt: skip
+        return fn
+
+    encode_fn = compiled_vit() if a.compile_vit else None
+    encode_fp8 = compiled_vit(fp8=True) if "+fp8" in a.modes else None
     table, tokens = [], {}
     for mode in a.modes.split(","):
         if mode.split("+")[0] in ("nocache", "cache"):
@@ -221,14 +231,19 @@ def main() -> None:
                                 overlap_vit="+overlap" in mode,
                                 attn_backend="cudnn" if "+cudnn" in mode else "auto")  # fmt: skip
             budget = a.cache_budget if cached else a.budget
-            eng = Engine(model, cfg, ecfg, dev, dtype, encode_fn=encode_fn)
+            enc_fn = encode_fp8 if "+fp8" in mode else encode_fn
+            eng = Engine(model, cfg, ecfg, dev, dtype, encode_fn=enc_fn)
             warm = prepared[: max(2, len(prepared) // 50)]
             run_engine(eng, warm, budget, a.new_tokens)  # warm-up / compile
             if dev.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
-            eng = Engine(model, cfg, ecfg, dev, dtype, encode_fn=encode_fn)  # fresh caches
+            eng = Engine(model, cfg, ecfg, dev, dtype, encode_fn=enc_fn)  # fresh caches
             secs, rows = run_engine(eng, prepared, budget, a.new_tokens)
             tokens[mode] = [r["output_token_ids"] for r in rows]
+            bf16 = mode.replace("+fp8", "")
+            if "+fp8" in mode and bf16 in tokens:  # downstream effect of FP8 ViT features: greedy tokens
+                same = sum(x == y for p, q in zip(tokens[mode], tokens[bf16]) for x, y in zip(p, q))
+                print(f"greedy tokens batchvl {mode} == batchvl {bf16}: {same}/{sum(map(len, tokens[bf16]))}")
             per_batch = {r["batch_id"]: r for r in rows}.values()
             st = {k: sum(r[k] for r in per_batch) / 1e3 for k in ("vit_ms", "prefill_ms", "decode_ms")}
             tiles = sum(p.num_tiles for p in prepared)

@@ -1,6 +1,6 @@
 """InternViT(+projector) throughput: ours eager/compiled vs transformers sdpa (eager/compiled), against the floor.
 
-    python bench/vit.py [--models 6b,300m] [--batches 16,64,128] [--skip-hf] [--quick] [--mode M]
+    python bench/vit.py [--models 6b,300m] [--batches 16,64,128] [--skip-hf] [--quick] [--mode M] [--fp8]
     python bench/vit.py --smoke          # CPU, tiny configs, 1-2 iterations, no triton
 
 Floor: the encoder's GEMMs (qkv, proj, fc1, fc2 per layer, times layers, plus the projector's two) at the
@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from batchvl.encoder.fp8 import fp8_vit, quantize_rows  # noqa: E402
 from batchvl.encoder.internvit import VisionEncoder  # noqa: E402
 from batchvl.encoder.internvit_compiled import compile_encoder, sdpa_context  # noqa: E402
 from batchvl.encoder.split_overlap import vit_flops_per_tile  # noqa: E402
@@ -180,8 +181,11 @@ def compile_hf_regional(hf, mode: str | None) -> None:
 # --------------------------------------------------------------------------- floor
 
 
-def floor_ms(cfg: InternVLConfig, tiles: int, dev: torch.device, dtype: torch.dtype) -> dict:
-    """GEMMs at the encoder's exact shapes and SDPA alone; returns per-part ms and the per-forward total."""
+def floor_ms(
+    cfg: InternVLConfig, tiles: int, dev: torch.device, dtype: torch.dtype, fp8: bool = False
+) -> dict:
+    """GEMMs at the encoder's exact shapes and SDPA alone; returns per-part ms and the per-forward total.
+    fp8: the layer GEMMs as `torch._scaled_mm` of e4m3 operands with row-wise scales (the projector stays bf16)."""
     v = cfg.vision
     T, C, ff, L = v.num_patches + 1, v.hidden_size, v.intermediate_size, v.num_layers
     M, P, H = tiles * T, tiles * cfg.num_image_token, cfg.llm.hidden_size
@@ -191,7 +195,13 @@ def floor_ms(cfg: InternVLConfig, tiles: int, dev: torch.device, dtype: torch.dt
     for name, (m, k, n) in gemms.items():
         a = torch.randn(m, k, device=dev, dtype=dtype)
         w = torch.randn(n, k, device=dev, dtype=dtype)
-        out[name] = bench_ms(lambda a=a, w=w: F.linear(a, w), dev)
+        if fp8 and not name.startswith("mlp1"):
+            (aq, sa), (wq, sw) = quantize_rows(a), quantize_rows(w)
+            out[name] = bench_ms(lambda aq=aq, wq=wq, sa=sa, sw=sw.t().contiguous(): torch._scaled_mm(
+                aq, wq.t(), scale_a=sa, scale_b=sw, out_dtype=torch.bfloat16), dev)  # fmt: skip
+            del aq, wq
+        else:
+            out[name] = bench_ms(lambda a=a, w=w: F.linear(a, w), dev)
         del a, w
     q, k_, val = (torch.randn(tiles, v.num_heads, T, v.head_dim, device=dev, dtype=dtype) for _ in range(3))
     attn = {}
@@ -266,6 +276,7 @@ def run_model(name: str, args, dev: torch.device, dtype: torch.dtype, ceiling: f
     free_memory(dev)
 
     floors = {b: floor_ms(cfg, b, dev, dtype) for b in args.batches}
+    floors_fp8 = {b: floor_ms(cfg, b, dev, dtype, fp8=True) for b in args.batches} if args.fp8 else {}
     backend = floors[n_ref]["attn_backend"] if args.attn_backend == "fastest" else args.attn_backend
     print(
         f"attention backend for ours: {backend}  (SDPA alone, ms: {floors[n_ref]['attn_by_backend']})",
@@ -279,6 +290,10 @@ def run_model(name: str, args, dev: torch.device, dtype: torch.dtype, ceiling: f
     if args.vs_mode:  # ours compiled in a second mode, on the same inputs in the same run
         variants[f"ours-{args.vs_mode}"] = compile_encoder(
             enc, mode=args.vs_mode, buckets=buckets, attn_backend=backend
+        )
+    if args.fp8:  # the layer linears in FP8 e4m3 (engine.vit_fp8), on a copy of the same weights
+        variants["ours-fp8"] = compile_encoder(
+            fp8_vit(copy.deepcopy(enc)), mode=args.mode, buckets=buckets, attn_backend=backend
         )
     if not args.skip_hf:
         variants["hf-sdpa"] = hf_forward(hf_model(enc, dev, dtype))
@@ -297,11 +312,15 @@ def run_model(name: str, args, dev: torch.device, dtype: torch.dtype, ceiling: f
             sync(dev)
             first_call[vname, n_ref] = time.perf_counter() - t1
             errs[vname] = rel_err(out, ref)
+            if vname == "ours-compiled":
+                bf16_out = out
+            elif vname == "ours-fp8":  # the issue's accuracy check: FP8 features against bf16 ones
+                print(f"ours-fp8 vs ours-compiled (bf16) features: rel. error {rel_err(out, bf16_out):.2e}")
             del out
     print("rel. error vs fp32 eager: " + ", ".join(f"{k} {e:.2e}" for k, e in errs.items()), flush=True)
+    bf16_out = None
 
     for b in args.batches:
-        fl = floors[b]
         px = torch.randn(b, 3, S, S, device=dev, dtype=dtype)
         base, rows = {}, []
         for vname, fn in variants.items():
@@ -320,7 +339,8 @@ def run_model(name: str, args, dev: torch.device, dtype: torch.dtype, ceiling: f
                 sec, iters = time_calls(fn, px, args.target_s, args.max_iters)
             peak = torch.cuda.max_memory_allocated() if dev.type == "cuda" else 0
             tps = base[vname] = b / sec
-            mode = {"ours-compiled": args.mode, f"ours-{args.vs_mode}": args.vs_mode,
+            fl = floors_fp8[b] if vname == "ours-fp8" else floors[b]  # each against its own floor
+            mode = {"ours-compiled": args.mode, "ours-fp8": args.mode, f"ours-{args.vs_mode}": args.vs_mode,
                     "hf-sdpa-compiled": args.hf_mode}.get(vname)  # fmt: skip
             row = dict(model=name, tiles=b, variant=vname, tiles_per_s=tps, ms=sec * 1e3, iters=iters,
                        floor_tiles_per_s=b / (fl["total_ms"] * 1e-3), floor_vit_tiles_per_s=b / (fl["vit_ms"] * 1e-3),
@@ -364,6 +384,7 @@ def table(rows: list[dict], ceiling: float) -> str:
 
     out = [f"MFU vs measured matmul ceiling (one 8192^3 bf16 GEMM, do_bench median): {ceiling / 1e12:.4g} TFLOP/s",
            "floor = do_bench medians of qkv/proj/fc1/fc2 GEMMs x layers + SDPA alone x layers + projector GEMMs",
+           "(ours-fp8 rows: the same floor with the layer GEMMs as FP8 _scaled_mm, row-wise scales; MFU vs bf16)",
            "", "| model | tiles | variant | tiles/s | floor tiles/s | x floor | x HF | x HF-comp | MFU | peak GiB "
            "| compile s | rel err |", "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for r in rows:
@@ -380,6 +401,9 @@ def main() -> None:
     ap.add_argument("--batches", default="16,64,128")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--vs-mode", default="", help="also run ours compiled in this ViT compile mode")
+    ap.add_argument(
+        "--fp8", action="store_true", help="also run ours with FP8 layer linears (engine.vit_fp8)"
+    )
     ap.add_argument(
         "--quick", action="store_true", help="batches 16,64; shorter timing; compile mode default"
     )
