@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The GPU runs that belong together, one step per device call (each bounded to fit one call's 600 s).
 # Usage on the device (after ../shared/tools/device-prep here; carry .whl and .data):
-#   bash bench/session.sh parity|parity-e2e|parity38-e2e|e2e-both|final|probe-llm|probe-vit|parts|vit64-modes|e2e-cudnn|e2e-38b|fp8|vit64|vit|e2e|e2e-fast|e2e-8b
+#   bash bench/session.sh parity|parity-e2e|parity38-e2e|e2e-both|final|probe-llm|probe-vit|parts|vit64-modes|e2e-cudnn|e2e-38b|fp8|fp8-bench|fp8-e2e|vit64|vit|e2e|e2e-fast|e2e-8b
 # Full logs land in $OUT (when set); each step ends with the table to copy into bench/RESULTS.md.
 set -u
-what=${1:?parity|parity-e2e|parity38-e2e|e2e-both|final|probe-llm|probe-vit|parts|vit64-modes|e2e-cudnn|e2e-38b|fp8|vit64|vit|e2e|e2e-fast|e2e-8b}
+what=${1:?parity|parity-e2e|parity38-e2e|e2e-both|final|probe-llm|probe-vit|parts|vit64-modes|e2e-cudnn|e2e-38b|fp8|fp8-bench|fp8-e2e|vit64|vit|e2e|e2e-fast|e2e-8b}
 out=${OUT:-/tmp}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
@@ -32,6 +32,13 @@ vit64-modes)  # parity of every fast path, then both encoders at 64 tiles: ours 
     2>&1 | tee "$out/vit.log" | grep -E 'floor|compile|^\||attention' | tail -30 ;;
 fp8)  # FP8 linears on this GPU/torch: row-wise _scaled_mm eager and compiled, ViT GEMM shapes vs bf16 (~1 min)
   timeout 100 python3 bench/probe.py fp8 2>&1 | tee "$out/probe_fp8.log" | grep -E '^\||Error|error' ;;
+fp8-bench)  # the FP8 ViT: parity rows (feature error vs bf16, greedy tokens), both encoders at 64 tiles against
+  # the FP8 floor (~5 min)
+  timeout 130 python3 bench/gpu_parity.py 2>&1 | tee "$out/parity.log" | grep '^|'
+  timeout 200 python3 bench/vit.py --batches 64 --fp8 --skip-hf 2>&1 | tee "$out/vit.log" | grep -E 'fp8|^\|' | tail -12 ;;
+fp8-e2e)  # the 38B seed job's first 250 requests with and without the FP8 ViT (two ViT compiles up front; ~8 min)
+  timeout 560 python3 bench/e2e.py --n 250 --modes nocache,nocache+fp8 \
+    2>&1 | tee "$out/e2e.log" | grep -E 'compiled|stages|greedy|^\||ceiling|RESULT|Error' ;;
 e2e-38b)  # the 38B seed job (no caches) vs transformers b=16, alone (the tuned ViT compile needs ~80 s up front)
   timeout 500 python3 bench/e2e.py --n 500 --hf-n 32 --hf-batches 16 --modes nocache,hf \
     2>&1 | tee "$out/e2e.log" | grep -E 'compiled|stages|^\||ceiling|RESULT|Error' ;;

@@ -5,8 +5,9 @@ Prefill takes a flat token tensor plus `cu_seqlens` (no padding). Backends:
 - "varlen": `torch.nn.attention.varlen.varlen_attn` (flash varlen, CUDA), when this torch has it;
 - "cudnn" (opt-in): one causal SDPA call per sequence with cuDNN's kernel tried first, inside one custom op so a
   compiled layer traces it as a single node (`causal_attn_per_seq`). On an H200 it ran 1.6x flash varlen alone at
-  fixed lengths, but made the seed job's prefill 41% slower (not profiled; suspected: a cuDNN plan per new sequence
-  length, see bench/RESULTS.md), so it is not the default. Prefill after a cached prefix takes the varlen path.
+  fixed lengths. With every new sequence length cuDNN built a new plan, which made the seed job's prefill 41%
+  slower; windows rounded up to PER_SEQ_ROWS fixed that, and the job then ran as fast as with flash varlen, not
+  faster (bench/RESULTS.md), so it is not the default. Prefill after a cached prefix takes the varlen path.
 """
 
 from __future__ import annotations
