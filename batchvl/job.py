@@ -76,7 +76,7 @@ class EngineSpec:
     image_cache: bool = False
     prefix_cache: bool = False
     compile_vit: bool = True
-    vit_compile_mode: str = "tuned"
+    vit_compile_mode: str = "default"
     vit_gelu_epilogue: bool = True
     vit_fp8: bool = False
     vit_mode: str = "auto"

@@ -25,8 +25,8 @@ probe-vit)  # where ViT time above the floor goes: both encoders @ 64 tiles, 8 l
   # and the 8B LLM's packed prefill (compiled layers, 64k tokens, 8 layers): what is left beside the GEMMs
   timeout 200 python3 bench/profile_llm.py --preset internvl2_5-8b --layers 8 --batch 32 --compile-llm 1 2>&1 \
     | tee "$out/profile_llm_8b.log" | grep -vE 'Warning|warn' | tail -40 ;;
-vit64-modes)  # parity of every fast path, then both encoders at 64 tiles: ours eager / compiled (tuned, the engine's
-  # default) / compiled (default mode), transformers eager and compiled
+vit64-modes)  # parity of every fast path, then both encoders at 64 tiles: ours eager / compiled (tuned; the engine's
+  # default at 93d2a43) / compiled (default mode), transformers eager and compiled
   timeout 130 python3 bench/gpu_parity.py 2>&1 | tee "$out/parity.log" | grep '^|'
   timeout 420 python3 bench/vit.py --batches 64 --mode tuned --vs-mode default --hf-mode default --budget-s 330 \
     2>&1 | tee "$out/vit.log" | grep -E 'floor|compile|^\||attention' | tail -30 ;;
@@ -39,7 +39,7 @@ fp8-bench)  # the FP8 ViT: parity rows (feature error vs bf16, greedy tokens), b
 fp8-e2e)  # the 38B seed job's first 250 requests with and without the FP8 ViT (two ViT compiles up front; ~8 min)
   timeout 560 python3 bench/e2e.py --n 250 --modes nocache,nocache+fp8 \
     2>&1 | tee "$out/e2e.log" | grep -E 'compiled|stages|greedy|^\||ceiling|RESULT|Error' ;;
-e2e-38b)  # the 38B seed job (no caches) vs transformers b=16, alone (the tuned ViT compile needs ~80 s up front)
+e2e-38b)  # the 38B seed job (no caches) vs transformers b=16, alone (the tuned ViT compile took ~80-120 s up front)
   timeout 500 python3 bench/e2e.py --n 500 --hf-n 32 --hf-batches 16 --modes nocache,hf \
     2>&1 | tee "$out/e2e.log" | grep -E 'compiled|stages|^\||ceiling|RESULT|Error' ;;
 e2e-cudnn)  # the 38B seed job (no caches) vs transformers b=16; the 8B one, also with per-sequence cuDNN attention

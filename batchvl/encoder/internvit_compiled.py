@@ -131,7 +131,11 @@ COMPILE_MODES = ("default", "tuned", "max-autotune-no-cudagraphs")
 def compile_kwargs(mode: str) -> dict:
     """torch.compile arguments for a ViT compile mode: "default"; "tuned", the default plus Inductor's
     coordinate-descent search over its own fused kernels' launch configs (norms, residuals; the GEMMs stay
-    cuBLAS), which costs compile time per bucket; or a torch.compile mode name."""
+    cuBLAS); or a torch.compile mode name.
+
+    "tuned" on an H200 at 64 tiles: +0.3% (6B) and +2.3% (300M) throughput for ~18 s more compile per bucket
+    (bench/RESULTS.md). On a cold Inductor cache that pays back only after about 9 h (6B) or 1 h (300M) of ViT
+    time, so it is not the default; Inductor's cache makes later runs start fast either way."""
     if mode not in COMPILE_MODES:
         raise ValueError(f"unknown ViT compile mode {mode!r}; choose one of {COMPILE_MODES}")
     if mode == "default":
@@ -236,7 +240,7 @@ class CompiledEncoder:
     def __init__(
         self,
         enc: VisionEncoder,
-        mode: str = "tuned",
+        mode: str = "default",
         dynamic: bool = False,
         max_tiles: int = 128,
         buckets: list[int] | None = None,
