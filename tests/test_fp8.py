@@ -45,6 +45,11 @@ def test_fp8_linear_equals_its_dequantized_product() -> None:
     assert rel < 0.06, rel
 
 
+def test_fp8_linear_refuses_shapes_scaled_mm_cannot_take() -> None:
+    with pytest.raises(ValueError, match="divisible by 16"):
+        Fp8Linear(torch.nn.Linear(64, 40))
+
+
 def test_fp8_vit_swaps_the_layer_linears_only() -> None:
     enc, _ = build_pair("6b")
     fp8_vit(enc)

@@ -33,6 +33,11 @@ class Fp8Linear(nn.Module):
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
+        if linear.in_features % 16 or linear.out_features % 16:
+            raise ValueError(
+                f"FP8 linears need in and out features divisible by 16 (torch._scaled_mm); got "
+                f"{linear.in_features} -> {linear.out_features}"
+            )
         w, s = quantize_rows(linear.weight.detach())  # [N, K], [N, 1]
         self.register_buffer("weight_fp8", w)
         self.register_buffer("weight_scale", s.t().contiguous())  # [1, N]: scale_b of _scaled_mm
