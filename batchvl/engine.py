@@ -62,13 +62,9 @@ class EngineConfig:
     prefix_cache: bool = False
     prefix_cache_entries: int = 8
     compile_vit: bool = True
-    vit_compile_mode: str = (
-        "default"  # | "tuned" (long jobs) | "max-autotune-no-cudagraphs" (internvit_compiled)
-    )
+    vit_compile_mode: str = "default"  # or "tuned" (long jobs), "max-autotune-no-cudagraphs"
     vit_gelu_epilogue: bool = True  # compiled ViT: fc1 + GELU as one cuBLASLt GEMM (+3% 6B, +8% 300M on H200)
-    vit_fp8: bool = (
-        False  # ViT linears in FP8 e4m3 (encoder/fp8.py): opt-in, less accurate; one GPU per replica
-    )
+    vit_fp8: bool = False  # ViT linears in FP8 e4m3 (encoder/fp8.py): opt-in, less accurate, tp 1 only
     compile_llm: bool | None = None  # regional torch.compile of the decoder layers; None: on CUDA only
     overlap_vit: bool = False  # run a batch's ViT on a side stream under the previous batch's decode (CUDA)
     cuda_graphs: bool = True  # decode steps replayed from CUDA graphs (CUDA only; rows padded to 8)

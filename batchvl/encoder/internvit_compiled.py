@@ -49,9 +49,8 @@ def patch_embed_gemm(conv: nn.Conv2d, pixel_values: Tensor) -> tuple[Tensor, int
     p = conv.kernel_size[0]
     gh, gw = S1 // p, S2 // p
     x = pixel_values[:, :, : gh * p, : gw * p].reshape(B, ch, gh, p, gw, p)
-    x = x.permute(0, 2, 4, 1, 3, 5).reshape(
-        B * gh * gw, ch * p * p
-    )  # [B*N, ch*p*p], the conv's (c, i, j) order
+    # [B*N, ch*p*p], each patch in the conv weight's (c, i, j) order
+    x = x.permute(0, 2, 4, 1, 3, 5).reshape(B * gh * gw, ch * p * p)
     w = conv.weight.reshape(conv.out_channels, -1)  # [C, ch*p*p]
     return F.linear(x.to(w.dtype), w, conv.bias).view(B, gh * gw, -1), gh, gw
 
