@@ -12,15 +12,27 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", ["e2e.py", "vit.py"])
-def test_bench_smoke(script):
+@pytest.mark.parametrize(
+    "script, extra",
+    [("e2e.py", []), ("e2e.py", ["--modes", "nocache,nocache+fp8"]), ("vit.py", ["--fp8"])],
+    ids=["e2e", "e2e-fp8", "vit-fp8"],
+)
+def test_bench_smoke(script, extra):
     data = [REPO / ".data", REPO.parent / "shared" / "data"]
     if script == "e2e.py" and not any((d / "tiger.jpeg").is_file() for d in data):
         pytest.skip("e2e needs tiger.jpeg and the ShareGPT sample (../shared/data)")
-    p = subprocess.run([sys.executable, str(REPO / "bench" / script), "--smoke"], cwd=REPO, capture_output=True,
-                       text=True, timeout=600)  # fmt: skip
+    p = subprocess.run([sys.executable, str(REPO / "bench" / script), "--smoke", *extra], cwd=REPO,
+                       capture_output=True, text=True, timeout=600)  # fmt: skip
     assert p.returncode == 0, p.stderr[-3000:]
-    if script == "e2e.py":  # same greedy tokens as transformers on the tiny model, both engine modes
+    if (
+        script == "e2e.py" and not extra
+    ):  # same greedy tokens as transformers on the tiny model, both engine modes
         assert "greedy tokens batchvl nocache == transformers b=2: 16/16" in p.stdout
         assert "greedy tokens batchvl cache == transformers b=2: 16/16" in p.stdout
+    if (
+        "nocache,nocache+fp8" in extra
+    ):  # the FP8 ViT's downstream check ran (its count depends on the weights)
+        assert "greedy tokens batchvl nocache+fp8 == batchvl nocache:" in p.stdout
+    if "--fp8" in extra:
+        assert "| ours-fp8 |" in p.stdout and "ours-fp8 vs ours-compiled (bf16) features" in p.stdout
     assert "|" in p.stdout  # the table
