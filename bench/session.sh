@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The GPU runs that belong together, one step per device call (each bounded to fit one call's 600 s).
 # Usage on the device (after ../shared/tools/device-prep here; carry .whl and .data):
-#   bash bench/session.sh parity|parity-e2e|parity38-e2e|e2e-both|final|probe-llm|probe-vit|parts|vit64-modes|e2e-cudnn|e2e-38b|fp8|fp8-bench|fp8-e2e|vit64|vit|e2e|e2e-fast|e2e-8b
+#   bash bench/session.sh parity|parity-e2e|parity38-e2e|e2e-both|final|probe-llm|probe-vit|parts|vit64-modes|e2e-cudnn|e2e-38b|e2e-8b-overlap|fp8|fp8-bench|fp8-e2e|vit64|vit|e2e|e2e-fast|e2e-8b
 # Full logs land in $OUT (when set); each step ends with the table to copy into bench/RESULTS.md.
 set -u
-what=${1:?parity|parity-e2e|parity38-e2e|e2e-both|final|probe-llm|probe-vit|parts|vit64-modes|e2e-cudnn|e2e-38b|fp8|fp8-bench|fp8-e2e|vit64|vit|e2e|e2e-fast|e2e-8b}
+what=${1:?parity|parity-e2e|parity38-e2e|e2e-both|final|probe-llm|probe-vit|parts|vit64-modes|e2e-cudnn|e2e-38b|e2e-8b-overlap|fp8|fp8-bench|fp8-e2e|vit64|vit|e2e|e2e-fast|e2e-8b}
 out=${OUT:-/tmp}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
@@ -30,6 +30,10 @@ vit64-modes)  # parity of every fast path, then both encoders at 64 tiles: ours 
   timeout 130 python3 bench/gpu_parity.py 2>&1 | tee "$out/parity.log" | grep '^|'
   timeout 420 python3 bench/vit.py --batches 64 --mode tuned --vs-mode default --hf-mode default --budget-s 330 \
     2>&1 | tee "$out/vit.log" | grep -E 'floor|compile|^\||attention' | tail -30 ;;
+e2e-8b-overlap)  # 8B seed job: the ViT under the previous batch's decode (overlap_vit, never measured) vs not,
+  # vs transformers b=32 (~6 min)
+  timeout 400 python3 bench/e2e.py --preset internvl2_5-8b --n 500 --hf-n 64 --hf-batches 32 --budget 65536 \
+    --modes nocache,nocache+overlap,hf 2>&1 | tee "$out/e2e_8b.log" | grep -E 'compiled|stages|^\||ceiling|RESULT|Error' ;;
 fp8)  # FP8 linears on this GPU/torch: row-wise _scaled_mm eager and compiled, ViT GEMM shapes vs bf16 (~1 min)
   timeout 100 python3 bench/probe.py fp8 2>&1 | tee "$out/probe_fp8.log" | grep -E '^\||Error|error' ;;
 fp8-bench)  # the FP8 ViT: parity rows (feature error vs bf16, greedy tokens), both encoders at 64 tiles against
