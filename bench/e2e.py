@@ -255,6 +255,10 @@ def main() -> None:
                   f"{vit_tf:.0f} TFLOP/s uncached-equivalent), prefill {st['prefill_ms']:.2f}s "
                   f"({llm_tf:.0f} TFLOP/s uncached-equivalent), decode {st['decode_ms']:.2f}s, "
                   f"other {secs - sum(st.values()):.2f}s", flush=True)  # fmt: skip
+            # one-time costs inside the timed run: decode graphs captured (one per new (rows, length) shape or
+            # KV-arena address) and KV-arena growths
+            print(f"decode graphs captured in the timed run: {eng.decode_step.captures}; KV arena grown "
+                  f"{eng.arena.generation} times", flush=True)  # fmt: skip
             import pyarrow as pa
 
             from batchvl.output import ROW_SCHEMA

@@ -33,7 +33,7 @@ vit64-modes)  # parity of every fast path, then both encoders at 64 tiles: ours 
 e2e-8b-overlap)  # 8B seed job: the ViT under the previous batch's decode (overlap_vit, never measured) vs not,
   # vs transformers b=32 (~6 min)
   timeout 400 python3 bench/e2e.py --preset internvl2_5-8b --n 500 --hf-n 64 --hf-batches 32 --budget 65536 \
-    --modes nocache,nocache+overlap,hf 2>&1 | tee "$out/e2e_8b.log" | grep -E 'compiled|stages|^\||ceiling|RESULT|Error' ;;
+    --modes nocache,nocache+overlap,hf 2>&1 | tee "$out/e2e_8b.log" | grep -E 'compiled|stages|graphs captured|^\||ceiling|RESULT|Error' ;;
 fp8)  # FP8 linears on this GPU/torch: row-wise _scaled_mm eager and compiled, ViT GEMM shapes vs bf16 (~1 min)
   timeout 100 python3 bench/probe.py fp8 2>&1 | tee "$out/probe_fp8.log" | grep -E '^\||Error|error' ;;
 fp8-bench)  # the FP8 ViT: parity rows (feature error vs bf16, greedy tokens), both encoders at 64 tiles against
@@ -42,15 +42,15 @@ fp8-bench)  # the FP8 ViT: parity rows (feature error vs bf16, greedy tokens), b
   timeout 200 python3 bench/vit.py --batches 64 --fp8 --skip-hf 2>&1 | tee "$out/vit.log" | grep -E 'fp8|^\|' | tail -12 ;;
 fp8-e2e)  # the 38B seed job's first 250 requests with and without the FP8 ViT (two ViT compiles up front; ~8 min)
   timeout 560 python3 bench/e2e.py --n 250 --modes nocache,nocache+fp8 \
-    2>&1 | tee "$out/e2e.log" | grep -E 'compiled|stages|greedy|^\||ceiling|RESULT|Error' ;;
+    2>&1 | tee "$out/e2e.log" | grep -E 'compiled|stages|graphs captured|greedy|^\||ceiling|RESULT|Error' ;;
 e2e-38b)  # the 38B seed job (no caches) vs transformers b=16, alone (the tuned ViT compile took ~80-120 s up front)
   timeout 500 python3 bench/e2e.py --n 500 --hf-n 32 --hf-batches 16 --modes nocache,hf \
-    2>&1 | tee "$out/e2e.log" | grep -E 'compiled|stages|^\||ceiling|RESULT|Error' ;;
+    2>&1 | tee "$out/e2e.log" | grep -E 'compiled|stages|graphs captured|^\||ceiling|RESULT|Error' ;;
 e2e-cudnn)  # the 38B seed job (no caches) vs transformers b=16; the 8B one, also with per-sequence cuDNN attention
   timeout 300 python3 bench/e2e.py --n 500 --hf-n 32 --hf-batches 16 --modes nocache,hf \
-    2>&1 | tee "$out/e2e.log" | grep -E 'compiled|stages|^\||ceiling|RESULT|Error'
+    2>&1 | tee "$out/e2e.log" | grep -E 'compiled|stages|graphs captured|^\||ceiling|RESULT|Error'
   timeout 250 python3 bench/e2e.py --preset internvl2_5-8b --n 500 --hf-n 64 --hf-batches 32 --budget 65536 \
-    --modes nocache,hf,nocache+cudnn 2>&1 | tee "$out/e2e_8b.log" | grep -E 'compiled|stages|^\||ceiling|RESULT|Error' ;;
+    --modes nocache,hf,nocache+cudnn 2>&1 | tee "$out/e2e_8b.log" | grep -E 'compiled|stages|graphs captured|^\||ceiling|RESULT|Error' ;;
 vit64)  # parity of every fast path, then both encoders at 64 tiles: ours eager / compiled / + GELU epilogue, transformers
   timeout 150 python3 bench/gpu_parity.py 2>&1 | tee "$out/parity.log" | grep '^|'
   timeout 390 python3 bench/vit.py --batches 64 --mode default --hf-mode default --budget-s 300 \
@@ -61,35 +61,35 @@ vit)  # both encoders, 16/64/128 tiles, ours vs transformers (default compile mo
 parity38-e2e)  # the short form of parity-e2e for a small device budget: 38B parity only
   timeout 70 python3 bench/gpu_parity.py internvl2_5-38b 2>&1 | tee "$out/parity.log" | grep '^|'
   timeout 480 python3 bench/e2e.py --n 500 --hf-n 32 --hf-batches 8,16 --modes nocache,hf,cache \
-    2>&1 | tee "$out/e2e.log" | grep -E 'compiled|stages|greedy|^\||ceiling|RESULT|Error' ;;
+    2>&1 | tee "$out/e2e.log" | grep -E 'compiled|stages|graphs captured|greedy|^\||ceiling|RESULT|Error' ;;
 parity-e2e)  # parity of every fast path (~70 s), then the seed job as in `e2e` with what time is left
   timeout 110 python3 bench/gpu_parity.py 2>&1 | tee "$out/parity.log" | grep '^|'
   timeout 460 python3 bench/e2e.py --n 500 --hf-n 32 --hf-batches 8,16 --modes nocache,hf,cache \
-    2>&1 | tee "$out/e2e.log" | grep -E 'compiled|stages|greedy|^\||ceiling|RESULT|Error' ;;
+    2>&1 | tee "$out/e2e.log" | grep -E 'compiled|stages|graphs captured|greedy|^\||ceiling|RESULT|Error' ;;
 e2e-both)  # 38B without caches vs transformers (caches measured at 21x in session 2), then 8B the same way
   timeout 330 python3 bench/e2e.py --n 500 --hf-n 32 --hf-batches 16 --modes nocache,hf \
-    2>&1 | tee "$out/e2e.log" | grep -E 'compiled|stages|greedy|^\||ceiling|RESULT|Error'
+    2>&1 | tee "$out/e2e.log" | grep -E 'compiled|stages|graphs captured|greedy|^\||ceiling|RESULT|Error'
   timeout 220 python3 bench/e2e.py --preset internvl2_5-8b --n 500 --hf-n 64 --hf-batches 32 --budget 65536 \
-    --modes nocache,hf 2>&1 | tee "$out/e2e_8b.log" | grep -E 'compiled|stages|^\||ceiling|RESULT|Error' ;;
+    --modes nocache,hf 2>&1 | tee "$out/e2e_8b.log" | grep -E 'compiled|stages|graphs captured|^\||ceiling|RESULT|Error' ;;
 final)  # prefill attention backends alone; the 38B seed job (no caches) vs transformers; the 8B one, also with the
   # LLM prefill attention per sequence through cuDNN (~8 min)
   timeout 45 python3 bench/probe.py attn 2>&1 | grep -vE 'Warning|warn' | tail -20
   timeout 330 python3 bench/e2e.py --n 500 --hf-n 32 --hf-batches 16 --modes nocache,hf \
-    2>&1 | tee "$out/e2e.log" | grep -E 'compiled|stages|^\||ceiling|RESULT|Error'
+    2>&1 | tee "$out/e2e.log" | grep -E 'compiled|stages|graphs captured|^\||ceiling|RESULT|Error'
   timeout 200 python3 bench/e2e.py --preset internvl2_5-8b --n 500 --hf-n 64 --hf-batches 32 --budget 65536 \
-    --modes nocache,hf,nocache+cudnn 2>&1 | tee "$out/e2e_8b.log" | grep -E 'compiled|stages|^\||ceiling|RESULT|Error' ;;
+    --modes nocache,hf,nocache+cudnn 2>&1 | tee "$out/e2e_8b.log" | grep -E 'compiled|stages|graphs captured|^\||ceiling|RESULT|Error' ;;
 e2e)  # the seed job at 38B shapes: no caches, caches, transformers at two batch sizes (~7 min)
   timeout 570 python3 bench/e2e.py --n 500 --hf-n 32 --hf-batches 8,16 --modes nocache,hf,cache \
-    2>&1 | tee "$out/e2e.log" | grep -E 'compiled|stages|greedy|^\||ceiling|RESULT|Error' ;;
+    2>&1 | tee "$out/e2e.log" | grep -E 'compiled|stages|graphs captured|greedy|^\||ceiling|RESULT|Error' ;;
 e2e-fast)  # the unmeasured option: the ViT under the previous decode, with and without caches
   timeout 560 python3 bench/e2e.py --n 500 --hf-n 16 --hf-batches 16 \
     --modes nocache+overlap,cache+overlap,hf 2>&1 | tee "$out/e2e_fast.log" \
-    | grep -E 'compiled|stages|greedy|^\||ceiling|RESULT|Error' ;;
+    | grep -E 'compiled|stages|graphs captured|greedy|^\||ceiling|RESULT|Error' ;;
 e2e-8b)  # InternViT-300M + InternLM2.5-7B shapes (transformers runs the LLM as Llama, which it is once unpacked);
   # first the runner itself on the GPU: the demo job in bf16 with the compiled ViT and a worker pool (pinned tiles)
   timeout 150 python3 -m batchvl.runner jobs/demo.yaml --set model.device=cuda --set model.dtype=bfloat16 \
     --set engine.compile_vit=true --set preprocess.workers=2 --set output.dir="$out/demo_gpu" --overwrite \
     2>&1 | tail -8
   timeout 560 python3 bench/e2e.py --preset internvl2_5-8b --n 500 --hf-n 64 --hf-batches 16,32 --budget 65536 \
-    --modes nocache,hf 2>&1 | tee "$out/e2e_8b.log" | grep -E 'compiled|stages|greedy|^\||ceiling|RESULT|Error' ;;
+    --modes nocache,hf 2>&1 | tee "$out/e2e_8b.log" | grep -E 'compiled|stages|graphs captured|greedy|^\||ceiling|RESULT|Error' ;;
 esac
