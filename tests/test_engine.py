@@ -190,3 +190,34 @@ def test_decode_graph_capture_failure_falls_back_to_eager(caplog):
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert not step.graphs and step.failed and step.captures == 0
     assert "decoding eagerly" in caplog.text
+
+
+def test_warm_decode_visits_each_shape_once_largest_first_in_one_arena():
+    """warm_decode steps once per padded (rows, length) shape, largest first, so the KV arena is allocated once and
+    later batches view the same buffers (what a CUDA graph is keyed by); a batch after it decodes the same tokens.
+    On CPU a recording step stands in for the CUDA-graph capture."""
+    model, cfg = _model()
+    s = Sampling(max_new_tokens=4, ignore_eos=True)
+    reqs = _requests()
+    want = Engine(model, cfg, EngineConfig()).run_batch(reqs, s).output_ids
+    eng = Engine(model, cfg, EngineConfig())
+    eng.row_multiple, eng.len_multiple = 8, 128
+    assert eng.warm_decode([(5, 100)], 4) == 0  # no CUDA graphs here: nothing to capture
+    real, seen = eng.decode_step, []
+
+    class Recording:
+        graphs, captures = True, 0
+
+        def __call__(self, tok, pos, cache):
+            seen.append((cache.rows, cache.max_len, cache.k.data_ptr()))
+            self.captures += 1
+            return real(tok, pos, cache)
+
+    eng.decode_step = Recording()
+    # padded: (8, 128), (8, 384), (8, 128) again, (16, 128), and the batch below: 5 requests, longest 546
+    assert eng.warm_decode([(5, 100), (3, 300), (5, 120), (9, 20), (5, 546)], max_new_tokens=4) == 4
+    assert [(r, n) for r, n, _ in seen] == [(8, 640), (8, 384), (16, 128), (8, 128)]
+    assert eng.arena.generation == 1 and len({ptr for *_, ptr in seen}) == 1
+    eng.decode_step = real
+    assert eng.run_batch(reqs, s).output_ids == want
+    assert eng.arena.generation == 1  # the batch fit in the warmed arena
