@@ -289,8 +289,7 @@ class Engine:
         lengths = [int(t.shape[0]) for t in ids]
         longest = max(p + n for p, n in zip(prefix_lens, lengths, strict=True))
         if arena:
-            rows = round_up(len(ids), self.row_multiple)
-            cache = self.arena.cache(rows, round_up(longest + extra, self.len_multiple))
+            cache = self.arena.cache(*self._arena_shape(len(ids), longest + extra))
         else:
             cache = KVCache(c.num_layers, len(ids), longest + extra, self._n_kv(), c.head_dim, self.device,
                             self.dtype)  # fmt: skip
@@ -305,6 +304,10 @@ class Engine:
         h = llm(h, pos, meta, cache, max_position=longest - 1)
         last = h[meta.cu_seqlens[1:].long() - 1]  # only last tokens go through lm_head
         return llm.logits(last), cache
+
+    def _arena_shape(self, rows: int, max_len: int) -> tuple[int, int]:
+        """A batch's KV-cache shape in the arena: rows and length padded so decode graphs repeat."""
+        return round_up(rows, self.row_multiple), round_up(max_len, self.len_multiple)
 
     def _n_kv(self) -> int:
         return self.model.llm.layers[0].attn.n_kv
@@ -365,8 +368,7 @@ class Engine:
         if not self.decode_step.graphs:
             return 0
         before = self.decode_step.captures
-        shapes = {(round_up(n, self.row_multiple), round_up(longest + max_new_tokens, self.len_multiple))
-                  for n, longest in batches}  # fmt: skip
+        shapes = {self._arena_shape(n, longest + max_new_tokens) for n, longest in batches}
         for rows, max_len in sorted(shapes, key=lambda rl: -rl[0] * rl[1]):
             zeros = torch.zeros(rows, dtype=torch.long, device=self.device)  # token 0 at position 0: scratch
             self.decode_step(zeros, zeros.clone(), self.arena.cache(rows, max_len))

@@ -28,6 +28,11 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
+def agreement(got: list[list[int]], want: list[list[int]]) -> float:
+    """Fraction of generated tokens equal position by position."""
+    return sum(x == y for a, b in zip(got, want) for x, y in zip(a, b)) / sum(len(a) for a in want)
+
+
 def shallow(preset: str, vit_layers: int = 4, llm_layers: int = 4):
     cfg = from_preset(preset)
     return replace(
@@ -135,12 +140,12 @@ def main() -> int:
                            ("bf16 varlen + caches, compiled layers, graphed decode", EngineConfig(image_cache=True, prefix_cache=True))):  # fmt: skip
             eng = Engine(fast, cfg, ecfg, dev, torch.bfloat16)
             got = eng.run_batch(reqs, s).output_ids
-            agree = sum(x == y for a, b in zip(got, want) for x, y in zip(a, b)) / sum(len(a) for a in want)
+            agree = agreement(got, want)
             rows.append((preset, f"greedy tokens {name} == fp32 (fraction)", agree))
         if fp8_encode is not None:  # the downstream check of FP8 ViT features: whole-request greedy tokens
             eng = Engine(fast, cfg, EngineConfig(), dev, torch.bfloat16, encode_fn=fp8_encode)
             got = eng.run_batch(reqs, s).output_ids
-            agree = sum(x == y for a, b in zip(got, want) for x, y in zip(a, b)) / sum(len(a) for a in want)
+            agree = agreement(got, want)
             rows.append(
                 (preset, "(fp8) greedy tokens, FP8 ViT linears, compiled, graphed == fp32 (fraction)", agree)
             )

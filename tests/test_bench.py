@@ -24,14 +24,12 @@ def test_bench_smoke(script, extra):
     p = subprocess.run([sys.executable, str(REPO / "bench" / script), "--smoke", *extra], cwd=REPO,
                        capture_output=True, text=True, timeout=600)  # fmt: skip
     assert p.returncode == 0, p.stderr[-3000:]
-    if (
-        script == "e2e.py" and not extra
-    ):  # same greedy tokens as transformers on the tiny model, both engine modes
+    # same greedy tokens as transformers on the tiny model, both engine modes
+    if script == "e2e.py" and not extra:
         assert "greedy tokens batchvl nocache == transformers b=2: 16/16" in p.stdout
         assert "greedy tokens batchvl cache == transformers b=2: 16/16" in p.stdout
-    if (
-        "nocache,nocache+fp8" in extra
-    ):  # the FP8 ViT's downstream check ran (its count depends on the weights)
+    # the FP8 ViT's downstream check ran (its count depends on the weights)
+    if "nocache,nocache+fp8" in extra:
         assert "greedy tokens batchvl nocache+fp8 == batchvl nocache:" in p.stdout
     if "--fp8" in extra:
         assert "| ours-fp8 |" in p.stdout and "ours-fp8 vs ours-compiled (bf16) features" in p.stdout
