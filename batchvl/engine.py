@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from batchvl.llm.attention import AttnMeta
+from batchvl.llm.attention import AttnMeta, warm_per_seq
 from batchvl.llm.decode_step import DecodeStep, round_up
 from batchvl.llm.kv_cache import KVArena, KVCache
 from batchvl.llm.sampling import sample
@@ -373,6 +373,16 @@ class Engine:
             zeros = torch.zeros(rows, dtype=torch.long, device=self.device)  # token 0 at position 0: scratch
             self.decode_step(zeros, zeros.clone(), self.arena.cache(rows, max_len))
         return self.decode_step.captures - before
+
+    @torch.inference_mode()
+    def warm_prefill_attention(self, lengths: list[int]) -> int:
+        """With the per-sequence cuDNN prefill (`attn_backend: cudnn`), visit every attention window those prompt
+        lengths map to, so cuDNN builds its execution plans before a timed run; returns how many windows (0 for
+        the other backends)."""
+        attn = self.model.llm.layers[0].attn  # heads of this rank (tensor parallel shards them)
+        if attn.backend != "cudnn":
+            return 0
+        return warm_per_seq(lengths, attn.n_heads, attn.n_kv, attn.head_dim, self.device, self.dtype)
 
     @torch.inference_mode()
     def decode(self, p: Pending) -> BatchResult:

@@ -5,6 +5,9 @@
     python bench/probe.py parts # the pieces above the ViT floor: attention layouts, patch embed conv vs GEMM,
                                 # Inductor coordinate descent, launch gaps (8-layer forward, both encoders)
     python bench/probe.py attn  # LLM prefill attention: flash varlen vs per-sequence SDPA backends
+    python bench/probe.py attn-job  # the same on the 8B seed job's real batch lengths: per-sequence cuDNN on its
+                                # first visit of each window (plan building) and after, alone and inside the
+                                # compiled 8-layer LLM prefill
     python bench/probe.py llm   # 38B LLM (64 layers), 16 x 2000 tokens: prefill and 3 decode steps, eager vs
                                 # CUDA-graphed decode vs compiled layers
 
@@ -269,6 +272,72 @@ def attn() -> None:
         prefill_attention(batch, from_preset(preset).llm, DEV, DT)
 
 
+def attn_job(preset: str = "internvl2_5-8b", layers: int = 8) -> None:
+    """Why per-sequence cuDNN (1.6x flash varlen alone) did not speed up the seed job: one layer's attention over
+    each of the job's batches (wall time with a sync: plan building is host work), first visit vs again, then
+    the compiled 8-layer prefill of the same batches with each backend."""
+    import itertools
+    import time
+
+    from e2e import batches, prepare
+
+    from batchvl.engine import Engine, EngineConfig, Request, Sampling
+    from batchvl.llm.attention import AttnMeta, causal_attn_per_seq, prefill_varlen
+    from batchvl.model.loader import random_model
+
+    prepared = prepare(500, 8192)
+    lens = [[len(prepared[i].input_ids) for i in idx] for idx in batches(prepared, 65536)]
+    c = from_preset(preset).llm
+
+    def wall(fn, *args) -> float:
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn(*args)
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t) * 1e3
+
+    tot = {"varlen": 0.0, "cudnn first visit": 0.0, "cudnn again": 0.0}
+    for ls in lens:
+        cu = torch.tensor([0, *itertools.accumulate(ls)], dtype=torch.int32)
+        T = int(cu[-1])
+        qkv = torch.randn(T, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim, device=DEV, dtype=DT)
+        kv_sz = c.num_kv_heads * c.head_dim
+        q, k, v = qkv.split([c.num_heads * c.head_dim, kv_sz, kv_sz], -1)
+        q = q.reshape(T, c.num_heads, c.head_dim).contiguous()  # as after RoPE: fresh tensors
+        k = k.reshape(T, c.num_kv_heads, c.head_dim).contiguous()
+        v = v.view(T, c.num_kv_heads, c.head_dim)  # a view of the qkv output, as in the layer
+        meta = AttnMeta(
+            cu.to(DEV), max(ls), torch.zeros(T, dtype=torch.long), torch.zeros(T, dtype=torch.long)
+        )
+        tot["varlen"] += wall(prefill_varlen, q, k, v, meta)
+        tot["cudnn first visit"] += wall(causal_attn_per_seq, q, k, v, cu, "cudnn")
+        tot["cudnn again"] += wall(causal_attn_per_seq, q, k, v, cu, "cudnn")
+    row("one layer's attention over the job's batches", "wall ms (sync per call)")
+    row("---", "---")
+    for name, ms in tot.items():
+        row(name, f"{ms:.1f}")
+    cfg = from_preset(preset)
+    cfg = replace(cfg, vision=replace(cfg.vision, num_layers=1), llm=replace(cfg.llm, num_layers=layers))
+    model, cfg = random_model(cfg, DEV, DT, seed=0)
+    g = torch.Generator().manual_seed(0)
+    top = min(150000, cfg.image_token_id)
+    s = Sampling(max_new_tokens=1, ignore_eos=True)
+    row(
+        f"compiled {layers}-layer prefill of the job's {len(lens)} batches", "first pass ms", "second pass ms"
+    )
+    row("---", "---", "---")
+    for backend in ("varlen", "cudnn"):
+        eng = Engine(model, cfg, EngineConfig(compile_llm=True, attn_backend=backend), DEV, DT)
+        passes = []
+        for _ in range(2):
+            ms = 0.0
+            for ls in lens:
+                reqs = [Request(torch.randint(0, top, (n,), generator=g)) for n in ls]
+                ms += eng.run_batch(reqs, s).prefill_ms
+            passes.append(ms)
+        row(backend, f"{passes[0]:.0f}", f"{passes[1]:.0f}")
+
+
 if __name__ == "__main__":
     torch.manual_seed(0)
-    {"vit": vit, "parts": parts, "fp8": fp8, "llm": llm, "attn": attn}[sys.argv[1]]()
+    {"vit": vit, "parts": parts, "fp8": fp8, "llm": llm, "attn": attn, "attn-job": attn_job}[sys.argv[1]]()

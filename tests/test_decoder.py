@@ -58,7 +58,7 @@ def test_per_sequence_attention_backend_equals_reference():
             layer.attn.backend = "cudnn"
         torch.testing.assert_close(_run(dec, seqs), want, **TOL)
         # long enough that windows rounded up to PER_SEQ_ROWS borrow the next sequence's rows (70 -> 128, 5 -> 64),
-        # and the last ones do not fit (130, 3: exact lengths)
+        # and the last ones run past the end (130 -> 192, 3 -> 64: zero rows appended)
         long = [torch.randint(0, 1000, (n,), generator=g) for n in (70, 5, 130, 3)]
         for layer in dec.layers:
             layer.attn.backend = "sdpa"
@@ -70,6 +70,36 @@ def test_per_sequence_attention_backend_equals_reference():
         cache = KVCache(2, 1, 23, 2, 16, "cpu", torch.float32)
         _run(dec, [seqs[2][:9]], cache)
         torch.testing.assert_close(_run(dec, [seqs[2][9:]], cache, prefix=[9]), full[9:], **TOL)
+
+
+def test_per_sequence_warm_up_visits_every_shape_a_prefill_uses(monkeypatch):
+    """`warm_per_seq` calls SDPA with every (shape, strides) key a packed per-sequence prefill of those lengths
+    does (cuDNN keys its execution plans on both), and with nothing else; whatever the packing and the layout of
+    the inputs (v arrives as a view of the fused qkv output)."""
+    import torch.nn.functional as F
+
+    from batchvl.llm import attention
+
+    keys = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kw):
+        keys.append(tuple((tuple(t.shape), t.stride()) for t in (q, k, v)))
+        return sdpa(q, k, v, **kw)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
+    lengths = [70, 5, 130, 3, 64, 65]
+    heads, kv_heads, d = 4, 2, 16
+    attention.warm_per_seq(lengths, heads, kv_heads, d, "cpu", torch.float32)
+    warm, keys[:] = set(keys), []
+    assert len(warm) == len({attention.per_seq_window(n) for n in lengths}) == 3  # 64, 128, 192
+    for order in (lengths, lengths[::-1], [130, 70]):
+        cu = torch.tensor([0, *torch.tensor(order).cumsum(0).tolist()])
+        qkv = torch.randn(int(cu[-1]), (heads + 2 * kv_heads) * d)
+        q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], -1)
+        q = q.reshape(-1, heads, d).contiguous()
+        attention.causal_attn_per_seq(q, k.reshape(-1, kv_heads, d), v.view(-1, kv_heads, d), cu, "cudnn")
+    assert set(keys) <= warm and len(keys) == 2 * len(lengths) + 2
 
 
 def test_prefill_then_decode_equals_full_forward():

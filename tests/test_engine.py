@@ -221,3 +221,16 @@ def test_warm_decode_visits_each_shape_once_largest_first_in_one_arena():
     eng.decode_step = real
     assert eng.run_batch(reqs, s).output_ids == want
     assert eng.arena.generation == 1  # the batch fit in the warmed arena
+
+
+def test_warm_prefill_attention_only_for_the_per_sequence_backend():
+    """warm_prefill_attention visits each padded window once with the per-sequence (cuDNN) prefill, and does
+    nothing for the other backends; a batch after it gives the same tokens as without."""
+    model, cfg = _model()
+    s = Sampling(max_new_tokens=3, ignore_eos=True)
+    reqs = _requests()
+    assert Engine(model, cfg, EngineConfig()).warm_prefill_attention([5, 70, 130]) == 0
+    want = Engine(model, cfg, EngineConfig(attn_backend="sdpa")).run_batch(reqs, s).output_ids
+    eng = Engine(model, cfg, EngineConfig(attn_backend="cudnn"))
+    assert eng.warm_prefill_attention([5, 70, 130, 64]) == 3  # windows 64, 128, 192
+    assert eng.run_batch(reqs, s).output_ids == want

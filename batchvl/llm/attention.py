@@ -7,7 +7,8 @@ Prefill takes a flat token tensor plus `cu_seqlens` (no padding). Backends:
   compiled layer traces it as a single node (`causal_attn_per_seq`). On an H200 it ran 1.6x flash varlen alone at
   fixed lengths. With every new sequence length cuDNN built a new plan, which made the seed job's prefill 41%
   slower; windows rounded up to PER_SEQ_ROWS fixed that, and the job then ran as fast as with flash varlen, not
-  faster (bench/RESULTS.md), so it is not the default. Prefill after a cached prefix takes the varlen path.
+  faster (bench/RESULTS.md), so it is not the default. Since session 5 every call has one layout and a padded
+  window, so `warm_per_seq` can build all of a job's plans ahead. Prefill after a cached prefix takes the varlen path.
 """
 
 from __future__ import annotations
@@ -118,6 +119,11 @@ def prefill_varlen(q, k, v, meta: AttnMeta, k_cache=None, v_cache=None) -> torch
 PER_SEQ_ROWS = 64  # causal_attn_per_seq computes each sequence over a window of a multiple of this many rows
 
 
+def per_seq_window(n: int) -> int:
+    """The rows `causal_attn_per_seq` computes for a sequence of n tokens."""
+    return -(-n // PER_SEQ_ROWS) * PER_SEQ_ROWS
+
+
 @torch.library.custom_op("batchvl::causal_attn_per_seq", mutates_args=())
 def causal_attn_per_seq(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_host: torch.Tensor, backend: str
@@ -125,27 +131,43 @@ def causal_attn_per_seq(
     """q [T, H, D], k/v [T, Hkv, D] packed, cu_seqlens_host [B+1] (CPU) -> [T, H, D]: causal attention within each
     sequence, one SDPA call per sequence with `backend` tried first (GQA by SDPA's enable_gqa).
 
-    Each call covers the sequence's rows plus the following ones up to a multiple of PER_SEQ_ROWS, so a job's
-    lengths map to a handful of shapes; the extra rows' outputs are dropped and, the mask being causal, the
-    sequence's own queries never attend to them."""
+    Each call covers the sequence's rows plus the following ones up to a multiple of PER_SEQ_ROWS (zero rows past
+    the end), all of one layout (contiguous [rows, heads, D]): so a job's lengths map to a handful of shapes and
+    strides, and cuDNN builds a handful of execution plans (`warm_per_seq` builds them ahead). The extra rows'
+    outputs are dropped and, the mask being causal, the sequence's own queries never attend to them."""
+    cu, T = cu_seqlens_host.tolist(), q.shape[0]
+    q, k, v = (t.contiguous() for t in (q, k, v))  # cuDNN keys its plans on strides too (v is a view of qkv)
     out = torch.empty_like(q)
     gqa = q.shape[1] != k.shape[1]
-    cu, T = cu_seqlens_host.tolist(), q.shape[0]
     with sdpa_context(backend, q.device):
         for s, e in itertools.pairwise(cu):
-            n = e - s
-            w = -(-n // PER_SEQ_ROWS) * PER_SEQ_ROWS  # window rounded up: few distinct shapes (cuDNN plans)
-            w = w if s + w <= T else n  # no rows to borrow at the end: the exact length
-            # rows n..w-1 belong to the next sequence: causal, so the first n queries never see them
-            qs, ks, vs = (t[s : s + w].transpose(0, 1)[None] for t in (q, k, v))  # [1, heads, w, D]
+            n, w = e - s, per_seq_window(e - s)
+            # rows n..w-1: the next sequence's, or zeros past the end
+            rows = [t[s : s + w] for t in (q, k, v)]
+            if s + w > T:
+                rows = [F.pad(r, (0, 0, 0, 0, 0, s + w - T)) for r in rows]
+            qs, ks, vs = (r.transpose(0, 1)[None] for r in rows)  # [1, heads, w, D]
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)
-            out[s:e] = o[0, :, :n].transpose(0, 1)
+            out[s:e] = o[0, :, :n].transpose(0, 1)  # causal: the first n queries never saw rows n..w-1
     return out
 
 
 @causal_attn_per_seq.register_fake
 def _(q, k, v, cu_seqlens_host, backend):
     return torch.empty_like(q)
+
+
+def warm_per_seq(
+    lengths, heads: int, kv_heads: int, head_dim: int, device, dtype, backend: str = "cudnn"
+) -> int:
+    """Run `causal_attn_per_seq` once on every window that sequences of these lengths map to (cuDNN builds an
+    execution plan per shape on first use); returns how many windows."""
+    windows = sorted({per_seq_window(n) for n in lengths})
+    for w in windows:
+        q = torch.randn(w, heads, head_dim, device=device, dtype=dtype)
+        k, v = (torch.randn(w, kv_heads, head_dim, device=device, dtype=dtype) for _ in range(2))
+        causal_attn_per_seq(q, k, v, torch.tensor([0, w]), backend)
+    return len(windows)
 
 
 def prefill_per_seq(q, k, v, meta: AttnMeta, backend: str = "cudnn") -> torch.Tensor:
