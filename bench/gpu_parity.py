@@ -82,7 +82,7 @@ def main() -> int:
                 rows.append((preset, f"compiled ViT unavailable: {e}", float("nan")))
             lens = [1990, 700, 1200]
             ids = [torch.randint(0, 90000, (n,), generator=g) for n in lens]
-            for backend in ("sdpa", "varlen"):
+            for backend in ("sdpa", "varlen", "cudnn"):
                 for layer in fast.llm.layers:
                     layer.attn.backend = backend
                 pos, meta = packed_meta(lens, [0] * 3, dev)
@@ -137,7 +137,8 @@ def main() -> int:
         for name, ecfg in (("bf16 varlen, eager layers and decode", EngineConfig(cuda_graphs=False, compile_llm=False)),
                            ("bf16 varlen, eager layers, graphed decode", EngineConfig(compile_llm=False)),
                            ("bf16 varlen, compiled layers, graphed decode", EngineConfig()),
-                           ("bf16 varlen + caches, compiled layers, graphed decode", EngineConfig(image_cache=True, prefix_cache=True))):  # fmt: skip
+                           ("bf16 varlen + caches, compiled layers, graphed decode", EngineConfig(image_cache=True, prefix_cache=True)),
+                           ("bf16 cudnn per sequence, compiled layers, graphed decode", EngineConfig(attn_backend="cudnn"))):  # fmt: skip
             eng = Engine(fast, cfg, ecfg, dev, torch.bfloat16)
             got = eng.run_batch(reqs, s).output_ids
             agree = agreement(got, want)
