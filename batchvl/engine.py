@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from batchvl.llm.attention import AttnMeta, warm_per_seq
+from batchvl.llm.attention import PER_SEQ_MIN_MEAN, AttnMeta, warm_per_seq
 from batchvl.llm.decode_step import DecodeStep, round_up
 from batchvl.llm.kv_cache import KVArena, KVCache
 from batchvl.llm.sampling import sample
@@ -70,7 +70,10 @@ class EngineConfig:
     cuda_graphs: bool = True  # decode steps replayed from CUDA graphs (CUDA only; rows padded to 8)
     vit_mode: str = "auto"
     vit_splits: int = 2
-    attn_backend: str = "auto"  # LLM prefill: "auto" | "sdpa" | "varlen" | "cudnn" (per-sequence SDPA)
+    attn_backend: str = (
+        "auto"  # LLM prefill: "auto" | "sdpa" | "varlen" | "cudnn" (per-sequence SDPA); auto: cuDNN
+    )
+    # per sequence on Hopper when sequences average >= PER_SEQ_MIN_MEAN tokens, else flash varlen (CUDA) or sdpa
 
 
 @dataclass
@@ -181,6 +184,13 @@ class Engine:
         compile_llm = self.ecfg.compile_llm
         if compile_llm is None:
             compile_llm = self.device.type == "cuda"
+        # "auto" prefill attention: per-sequence cuDNN where measured faster (Hopper, long sequences), else varlen
+        self.cudnn_prefill = (
+            self.ecfg.attn_backend == "auto"
+            and self.device.type == "cuda"
+            and torch.backends.cudnn.is_available()
+            and torch.cuda.get_device_capability(self.device)[0] == 9
+        )
         for layer in model.llm.layers:
             layer.attn.backend = self.ecfg.attn_backend
             if compile_llm and getattr(layer, "_compiled_call_impl", None) is None:
@@ -301,6 +311,7 @@ class Engine:
         img = [f for f in feats if f is not None]
         h = self.model.embed(flat, torch.cat(img, 0) if img else None)
         pos, meta = packed_meta(lengths, prefix_lens, self.device)
+        meta.per_seq = self.cudnn_prefill and sum(lengths) >= PER_SEQ_MIN_MEAN * len(lengths)
         h = llm(h, pos, meta, cache, max_position=longest - 1)
         last = h[meta.cu_seqlens[1:].long() - 1]  # only last tokens go through lm_head
         return llm.logits(last), cache
@@ -376,11 +387,11 @@ class Engine:
 
     @torch.inference_mode()
     def warm_prefill_attention(self, lengths: list[int]) -> int:
-        """With the per-sequence cuDNN prefill (`attn_backend: cudnn`), visit every attention window those prompt
-        lengths map to, so cuDNN builds its execution plans before a timed run; returns how many windows (0 for
-        the other backends)."""
+        """With the per-sequence cuDNN prefill (`attn_backend: cudnn`, or "auto" on Hopper), visit every attention
+        window those prompt lengths map to, so cuDNN builds its execution plans before a timed run; returns how
+        many windows (0 where the prefill never takes that path)."""
         attn = self.model.llm.layers[0].attn  # heads of this rank (tensor parallel shards them)
-        if attn.backend != "cudnn":
+        if attn.backend != "cudnn" and not self.cudnn_prefill:
             return 0
         return warm_per_seq(lengths, attn.n_heads, attn.n_kv, attn.head_dim, self.device, self.dtype)
 

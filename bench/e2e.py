@@ -232,7 +232,8 @@ def main() -> None:
             ecfg = EngineConfig(max_prefill_tokens=a.budget, max_vit_tiles=a.max_vit_tiles, image_cache=cached,
                                 prefix_cache=cached, compile_llm="-cllm" not in mode,
                                 overlap_vit="+overlap" in mode,
-                                attn_backend="cudnn" if "+cudnn" in mode else "auto")  # fmt: skip
+                                attn_backend="cudnn" if "+cudnn" in mode else "varlen" if "+varlen" in mode
+                                else "auto")  # fmt: skip
             budget = a.cache_budget if cached else a.budget
             enc_fn = encode_fp8 if "+fp8" in mode else encode_fn
             eng = Engine(model, cfg, ecfg, dev, dtype, encode_fn=enc_fn)

@@ -89,22 +89,38 @@ def test_eos_stops_unless_ignored():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("attn", ["auto", "cudnn"])
-def test_compiled_llm_equals_eager(attn: str):
+@pytest.mark.parametrize("attn", ["auto", "cudnn", "auto-hopper"])
+def test_compiled_llm_equals_eager(attn: str, monkeypatch):
     """Regional torch.compile of the decoder layers: same tokens and logits as eager, over two batch shapes
-    (with "cudnn", the per-sequence attention custom op is traced as one node)."""
+    (with "cudnn", the per-sequence attention custom op is traced as one node; "auto-hopper": "auto" as on an
+    H200, with the length threshold set so the first batch goes per sequence and the second does not)."""
     model, cfg = _model()
     s = Sampling(max_new_tokens=3, ignore_eos=True)
     reqs = _requests()
+    mean = [sum(len(r.input_ids) for r in b) / len(b) for b in (reqs[:2], reqs[2:], reqs)]
+    assert mean[0] > mean[1] and mean[0] > mean[2]
+    monkeypatch.setattr("batchvl.engine.PER_SEQ_MIN_MEAN", mean[0])
+    from batchvl.llm import attention
+
+    per_seq_calls, ctx = (
+        [],
+        attention.sdpa_context,
+    )  # entered once per call of the per-sequence op, at run time
+    monkeypatch.setattr(attention, "sdpa_context", lambda *a: per_seq_calls.append(a[0]) or ctx(*a))
     eager = Engine(model, cfg, EngineConfig())
     want = [eager.run_batch(reqs[:2], s).output_ids, eager.run_batch(reqs[2:], s).output_ids]
     with torch.inference_mode():
         feats, _ = eager.encode(reqs)
         ref, _ = eager._prefill([r.input_ids for r in reqs], feats, [0] * 5, None, extra=0)
-    fast = Engine(model, cfg, EngineConfig(compile_llm=True, attn_backend=attn))
+    fast = Engine(model, cfg, EngineConfig(compile_llm=True, attn_backend=attn.removesuffix("-hopper")))
+    fast.cudnn_prefill = attn == "auto-hopper"
     got = [fast.run_batch(reqs[:2], s).output_ids, fast.run_batch(reqs[2:], s).output_ids]
     with torch.inference_mode():
         out, _ = fast._prefill([r.input_ids for r in reqs], feats, [0] * 5, None, extra=0)
+    layers = cfg.llm.num_layers
+    assert (
+        len(per_seq_calls) == {"auto": 0, "cudnn": 3 * layers, "auto-hopper": layers}[attn]
+    )  # prefills only
     for layer in model.llm.layers:  # leave the shared model eager for other tests
         layer._compiled_call_impl = None
         layer.attn.backend = "auto"
@@ -234,3 +250,41 @@ def test_warm_prefill_attention_only_for_the_per_sequence_backend():
     eng = Engine(model, cfg, EngineConfig(attn_backend="cudnn"))
     assert eng.warm_prefill_attention([5, 70, 130, 64]) == 3  # windows 64, 128, 192
     assert eng.run_batch(reqs, s).output_ids == want
+
+
+def test_auto_prefill_attention_goes_per_sequence_only_where_measured_faster(monkeypatch):
+    """attn_backend "auto" on Hopper (here forced: `cudnn_prefill`) prefills with one cuDNN call per sequence when
+    a batch's sequences average >= PER_SEQ_MIN_MEAN tokens, and with varlen/sdpa otherwise (many short sequences:
+    per-call host cost) and after a cached prefix; the tokens equal the reference path's either way."""
+    from batchvl.llm import decoder
+    from batchvl.llm.attention import PER_SEQ_MIN_MEAN
+
+    model, cfg = _model()
+    s = Sampling(max_new_tokens=3, ignore_eos=True)
+    g = torch.Generator().manual_seed(5)
+    long = [
+        _request(i, torch.randint(0, 150000, (n,), generator=g).tolist(), tiles=4)
+        for i, n in ((3, 9), (4, 2))
+    ]
+    assert sum(len(r.input_ids) for r in long) >= PER_SEQ_MIN_MEAN * len(long)
+    short = _requests()
+    ref = Engine(model, cfg, EngineConfig(attn_backend="sdpa"))
+    want_long, want_short = ref.run_batch(long, s).output_ids, ref.run_batch(short, s).output_ids
+    calls = []
+    real = decoder.prefill_per_seq
+    monkeypatch.setattr(decoder, "prefill_per_seq", lambda *a, **k: calls.append(1) or real(*a, **k))
+    eng = Engine(model, cfg, EngineConfig(attn_backend="auto"))
+    assert not eng.cudnn_prefill  # CPU: never
+    assert eng.run_batch(long, s).output_ids == want_long and not calls
+    eng.cudnn_prefill = True  # as on an H200
+    assert eng.run_batch(short, s).output_ids == want_short and not calls
+    assert eng.run_batch(long, s).output_ids == want_long
+    assert len(calls) == cfg.llm.num_layers  # one per layer, for the prefill only
+    assert eng.warm_prefill_attention([len(r.input_ids) for r in long]) == 1  # both in the window of 1088
+    calls.clear()
+    cached = Engine(model, cfg, EngineConfig(attn_backend="auto", prefix_cache=True))
+    cached.cudnn_prefill = True
+    cached.run_batch(long, s)
+    assert (
+        cached.run_batch(long, s).output_ids == want_long
+    )  # the new tokens after a cached prefix: varlen/sdpa

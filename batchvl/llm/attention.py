@@ -3,12 +3,13 @@
 Prefill takes a flat token tensor plus `cu_seqlens` (no padding). Backends:
 - "sdpa": one causal SDPA call per sequence (the reference; any device);
 - "varlen": `torch.nn.attention.varlen.varlen_attn` (flash varlen, CUDA), when this torch has it;
-- "cudnn" (opt-in): one causal SDPA call per sequence with cuDNN's kernel tried first, inside one custom op so a
+- "cudnn": one causal SDPA call per sequence with cuDNN's kernel tried first, inside one custom op so a
   compiled layer traces it as a single node (`causal_attn_per_seq`). On an H200 it ran 1.6x flash varlen alone at
   fixed lengths. With every new sequence length cuDNN built a new plan, which made the seed job's prefill 41%
   slower; windows rounded up to PER_SEQ_ROWS fixed that, and the job then ran as fast as with flash varlen, not
-  faster (bench/RESULTS.md), so it is not the default. Since session 5 every call has one layout and a padded
-  window, so `warm_per_seq` can build all of a job's plans ahead. Prefill after a cached prefix takes the varlen path.
+  faster (bench/RESULTS.md). Since session 5 every call has one layout and a padded window, so `warm_per_seq` can
+  build all of a job's plans ahead; with the plans built the seed jobs ran 2.5% (8B) / 3.5% (38B) faster, so
+  "auto" takes it on Hopper for long sequences (`AttnMeta.per_seq`, set by the engine). Prefill after a cached prefix takes the varlen path.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ class AttnMeta:
     key_rows: torch.Tensor | None = None  # [Tk] int64
     key_pos: torch.Tensor | None = None  # [Tk] int64
     cu_seqlens_host: torch.Tensor | None = None  # cu_seqlens on the CPU (per-sequence loops without a sync)
+    per_seq: bool = (
+        False  # backend "auto": prefill with one cuDNN SDPA call per sequence (see PER_SEQ_MIN_MEAN)
+    )
 
 
 def _varlen_fn():
@@ -117,6 +121,11 @@ def prefill_varlen(q, k, v, meta: AttnMeta, k_cache=None, v_cache=None) -> torch
 
 
 PER_SEQ_ROWS = 64  # causal_attn_per_seq computes each sequence over a window of a multiple of this many rows
+# Backend "auto" on Hopper takes the per-sequence cuDNN path for batches whose sequences average at least this many
+# tokens. Measured on an H200 (bench/RESULTS.md, session 5) at ~2000 tokens a sequence, with every window's plan
+# built: prefill -3% (8B) / -5.6% (38B) against flash varlen. Each call costs host time, so batches of many short
+# sequences keep the single varlen call.
+PER_SEQ_MIN_MEAN = 1024
 
 
 def per_seq_window(n: int) -> int:

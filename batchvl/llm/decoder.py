@@ -95,7 +95,8 @@ class Attention(nn.Module):
         if meta.is_decode:
             o = decode_attention(q, kc, vc, meta.kv_lens)
         else:
-            if self.backend == "cudnn" and meta.key_rows is None:
+            per_seq = self.backend == "cudnn" or (self.backend == "auto" and meta.per_seq)
+            if per_seq and meta.key_rows is None:
                 o = prefill_per_seq(q, k, v, meta, "cudnn")
             elif self.backend == "varlen" or (self.backend in ("auto", "cudnn") and varlen_available(q)):
                 o = prefill_varlen(q, k, v, meta, kc, vc)
