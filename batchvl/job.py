@@ -84,7 +84,7 @@ class EngineSpec:
     compile_llm: bool | None = None  # regional torch.compile of the decoder layers; None: on CUDA only
     overlap_vit: bool = False  # not yet measured on a GPU: off by default
     cuda_graphs: bool = True  # decode steps replayed from CUDA graphs (CUDA only)
-    attn_backend: str = "auto"  # LLM prefill attention: auto | sdpa | varlen | cudnn (engine.EngineConfig says how)
+    attn_backend: str = "auto"  # LLM prefill attention: auto | sdpa | varlen | cudnn (see EngineConfig)
 
 
 @dataclass
