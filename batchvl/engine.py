@@ -70,10 +70,9 @@ class EngineConfig:
     cuda_graphs: bool = True  # decode steps replayed from CUDA graphs (CUDA only; rows padded to 8)
     vit_mode: str = "auto"
     vit_splits: int = 2
-    attn_backend: str = (
-        "auto"  # LLM prefill: "auto" | "sdpa" | "varlen" | "cudnn" (per-sequence SDPA); auto: cuDNN
-    )
-    # per sequence on Hopper when sequences average >= PER_SEQ_MIN_MEAN tokens, else flash varlen (CUDA) or sdpa
+    # LLM prefill: "auto" | "sdpa" | "varlen" | "cudnn" (per-sequence SDPA); auto: cuDNN per sequence on Hopper
+    # when a batch's sequences average >= PER_SEQ_MIN_MEAN tokens, else flash varlen (CUDA) or sdpa
+    attn_backend: str = "auto"
 
 
 @dataclass

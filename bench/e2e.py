@@ -7,8 +7,9 @@ batchvl's engine without and with caches, and through transformers' generate, on
 Requests are preprocessed before the clock starts (tiling + tokenization is CPU work the runner overlaps with the
 GPU); every request counts as submitted at t=0. MFU is against an 8192^3 bf16 matmul measured in this run.
 One-time costs stay outside the clock: the ViT buckets are compiled and (since 2026-12-02, session 4) the decode
-graphs for the run's batch shapes captured first (session 5: and, with +cudnn, the per-sequence cuDNN prefill
-visits each of the run's attention windows once); transformers gets a warm-up batch.
+graphs for the run's batch shapes captured first (session 5: and, where the prefill goes per sequence through
+cuDNN, i.e. +cudnn or the default on Hopper, each of the run's attention windows is visited once, building its
+plan); transformers gets a warm-up batch.
 """
 
 from __future__ import annotations
@@ -247,7 +248,7 @@ def main() -> None:
                 (len(idx), max(len(prepared[i].input_ids) for i in idx)) for idx in batches(prepared, budget)
             ]
             warm_graphs = eng.warm_decode(shapes, a.new_tokens)
-            # per-sequence cuDNN prefill (+cudnn): its execution plans for every window of the run, likewise
+            # per-sequence cuDNN prefill (+cudnn; auto on Hopper): its plans for every window of the run, likewise
             windows = eng.warm_prefill_attention([len(p.input_ids) for p in prepared])
             if windows:
                 print(f"cuDNN prefill windows visited before the clock: {windows}", flush=True)

@@ -102,10 +102,8 @@ def test_compiled_llm_equals_eager(attn: str, monkeypatch):
     monkeypatch.setattr("batchvl.engine.PER_SEQ_MIN_MEAN", mean[0])
     from batchvl.llm import attention
 
-    per_seq_calls, ctx = (
-        [],
-        attention.sdpa_context,
-    )  # entered once per call of the per-sequence op, at run time
+    # sdpa_context is entered once per call of the per-sequence op, at run time (the op is opaque to Dynamo)
+    per_seq_calls, ctx = [], attention.sdpa_context
     monkeypatch.setattr(attention, "sdpa_context", lambda *a: per_seq_calls.append(a[0]) or ctx(*a))
     eager = Engine(model, cfg, EngineConfig())
     want = [eager.run_batch(reqs[:2], s).output_ids, eager.run_batch(reqs[2:], s).output_ids]
@@ -118,9 +116,8 @@ def test_compiled_llm_equals_eager(attn: str, monkeypatch):
     with torch.inference_mode():
         out, _ = fast._prefill([r.input_ids for r in reqs], feats, [0] * 5, None, extra=0)
     layers = cfg.llm.num_layers
-    assert (
-        len(per_seq_calls) == {"auto": 0, "cudnn": 3 * layers, "auto-hopper": layers}[attn]
-    )  # prefills only
+    # the prefills only: two batches and the whole set for "cudnn"; the first batch for "auto-hopper"
+    assert len(per_seq_calls) == {"auto": 0, "cudnn": 3 * layers, "auto-hopper": layers}[attn]
     for layer in model.llm.layers:  # leave the shared model eager for other tests
         layer._compiled_call_impl = None
         layer.attn.backend = "auto"
@@ -285,6 +282,5 @@ def test_auto_prefill_attention_goes_per_sequence_only_where_measured_faster(mon
     cached = Engine(model, cfg, EngineConfig(attn_backend="auto", prefix_cache=True))
     cached.cudnn_prefill = True
     cached.run_batch(long, s)
-    assert (
-        cached.run_batch(long, s).output_ids == want_long
-    )  # the new tokens after a cached prefix: varlen/sdpa
+    # the new tokens after a cached prefix: varlen/sdpa
+    assert cached.run_batch(long, s).output_ids == want_long

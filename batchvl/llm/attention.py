@@ -9,7 +9,8 @@ Prefill takes a flat token tensor plus `cu_seqlens` (no padding). Backends:
   slower; windows rounded up to PER_SEQ_ROWS fixed that, and the job then ran as fast as with flash varlen, not
   faster (bench/RESULTS.md). Since session 5 every call has one layout and a padded window, so `warm_per_seq` can
   build all of a job's plans ahead; with the plans built the seed jobs ran 2.5% (8B) / 3.5% (38B) faster, so
-  "auto" takes it on Hopper for long sequences (`AttnMeta.per_seq`, set by the engine). Prefill after a cached prefix takes the varlen path.
+  "auto" takes it on Hopper for long sequences (`AttnMeta.per_seq`, set by the engine). Prefill after a cached
+  prefix takes the varlen path.
 """
 
 from __future__ import annotations
@@ -41,9 +42,8 @@ class AttnMeta:
     key_rows: torch.Tensor | None = None  # [Tk] int64
     key_pos: torch.Tensor | None = None  # [Tk] int64
     cu_seqlens_host: torch.Tensor | None = None  # cu_seqlens on the CPU (per-sequence loops without a sync)
-    per_seq: bool = (
-        False  # backend "auto": prefill with one cuDNN SDPA call per sequence (see PER_SEQ_MIN_MEAN)
-    )
+    # backend "auto": prefill with one cuDNN SDPA call per sequence (see PER_SEQ_MIN_MEAN)
+    per_seq: bool = False
 
 
 def _varlen_fn():
