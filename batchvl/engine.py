@@ -183,9 +183,12 @@ class Engine:
         compile_llm = self.ecfg.compile_llm
         if compile_llm is None:
             compile_llm = self.device.type == "cuda"
-        # "auto" prefill attention: per-sequence cuDNN where measured faster (Hopper, long sequences), else varlen
+        # "auto" prefill attention: per-sequence cuDNN where measured faster (Hopper, long sequences, all heads on
+        # one GPU), else varlen. Not under tensor parallelism: each call would carry a quarter of the work for the
+        # same host cost, unmeasured.
         self.cudnn_prefill = (
             self.ecfg.attn_backend == "auto"
+            and model.llm.layers[0].attn.n_heads == cfg.llm.num_heads
             and self.device.type == "cuda"
             and torch.backends.cudnn.is_available()
             and torch.cuda.get_device_capability(self.device)[0] == 9
