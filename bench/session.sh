@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The GPU runs that belong together, one step per device call (each bounded to fit one call's 600 s).
 # Usage on the device (after ../shared/tools/device-prep here; carry .whl and .data):
-#   bash bench/session.sh parity|parity-e2e|parity38-e2e|e2e-both|final|probe-llm|probe-vit|parts|vit64-modes|e2e-cudnn|e2e-38b|e2e-8b-overlap|fp8|fp8-bench|fp8-e2e|attn-8b|vit64|vit|e2e|e2e-fast|e2e-8b
+#   bash bench/session.sh parity|parity-e2e|parity38-e2e|e2e-both|final|probe-llm|probe-vit|parts|vit64-modes|e2e-cudnn|e2e-38b|e2e-8b-overlap|fp8|fp8-bench|fp8-e2e|attn-8b|e2e-8b-hf64|vit64|vit|e2e|e2e-fast|e2e-8b
 # Full logs land in $OUT (when set); each step ends with the table to copy into bench/RESULTS.md.
 set -u
-what=${1:?parity|parity-e2e|parity38-e2e|e2e-both|final|probe-llm|probe-vit|parts|vit64-modes|e2e-cudnn|e2e-38b|e2e-8b-overlap|fp8|fp8-bench|fp8-e2e|attn-8b|vit64|vit|e2e|e2e-fast|e2e-8b}
+what=${1:?parity|parity-e2e|parity38-e2e|e2e-both|final|probe-llm|probe-vit|parts|vit64-modes|e2e-cudnn|e2e-38b|e2e-8b-overlap|fp8|fp8-bench|fp8-e2e|attn-8b|e2e-8b-hf64|vit64|vit|e2e|e2e-fast|e2e-8b}
 out=${OUT:-/tmp}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
@@ -48,6 +48,10 @@ attn-8b)  # why per-sequence cuDNN prefill (1.6x flash varlen alone) did not spe
   timeout 150 python3 bench/probe.py attn-job 2>&1 | tee "$out/probe_attn_job.log" | grep -E '^\||Error|error'
   timeout 390 python3 bench/e2e.py --preset internvl2_5-8b --n 500 --hf-n 64 --hf-batches 32 --budget 65536 \
     --modes nocache,nocache+cudnn,hf 2>&1 | tee "$out/e2e_8b.log" | grep -E 'compiled|stages|graphs captured|windows|^\||ceiling|RESULT|Error' ;;
+e2e-8b-hf64)  # the 8B seed job (default attention: cuDNN per sequence on Hopper) vs transformers at b=32 AND b=64
+  # (its best batch was only ever searched up to 32), on 128 requests (~6 min)
+  timeout 560 python3 bench/e2e.py --preset internvl2_5-8b --n 500 --hf-n 128 --hf-batches 32,64 --budget 65536 \
+    --modes nocache,hf 2>&1 | tee "$out/e2e_8b.log" | grep -E 'compiled|stages|graphs captured|windows|^\||ceiling|RESULT|Error' ;;
 e2e-38b)  # the 38B seed job (no caches) vs transformers b=16, alone (the tuned ViT compile took ~80-120 s up front);
   # since session 5 "nocache" prefills with the per-sequence cuDNN attention on Hopper (auto)
   timeout 500 python3 bench/e2e.py --n 500 --hf-n 32 --hf-batches 16 --modes nocache,hf \
