@@ -82,7 +82,7 @@ class EngineSpec:
     vit_mode: str = "auto"
     vit_splits: int = 2
     compile_llm: bool | None = None  # regional torch.compile of the decoder layers; None: on CUDA only
-    overlap_vit: bool = False  # not yet measured on a GPU: off by default
+    overlap_vit: bool = False  # off: on an H200 the 8B seed job ran no faster with it (bench/RESULTS.md)
     cuda_graphs: bool = True  # decode steps replayed from CUDA graphs (CUDA only)
     attn_backend: str = "auto"  # LLM prefill attention: auto | sdpa | varlen | cudnn (see EngineConfig)
 
