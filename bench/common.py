@@ -125,6 +125,11 @@ def hf_sharing_weights(model, cfg: InternVLConfig, attn: str = "sdpa"):
     return hf.eval()
 
 
+def same_tokens(got: list[list[int]], want: list[list[int]]) -> int:
+    """How many generated tokens are equal, position by position."""
+    return sum(x == y for a, b in zip(got, want) for x, y in zip(a, b))
+
+
 def sync_time() -> float:
     if torch.cuda.is_available():
         torch.cuda.synchronize()

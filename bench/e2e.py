@@ -31,6 +31,7 @@ from common import (  # noqa: E402
     llm_prefill_flops,
     matmul_ceiling,
     request_flops,
+    same_tokens,
     sync_time,
     vit_flops_per_tile,
 )
@@ -257,7 +258,7 @@ def main() -> None:
             tokens[mode] = [r["output_token_ids"] for r in rows]
             bf16 = mode.replace("+fp8", "")
             if "+fp8" in mode and bf16 in tokens:  # downstream effect of FP8 ViT features: greedy tokens
-                same = sum(x == y for p, q in zip(tokens[mode], tokens[bf16]) for x, y in zip(p, q))
+                same = same_tokens(tokens[mode], tokens[bf16])
                 print(f"greedy tokens batchvl {mode} == batchvl {bf16}: {same}/{sum(map(len, tokens[bf16]))}")
             per_batch = {r["batch_id"]: r for r in rows}.values()
             st = {k: sum(r[k] for r in per_batch) / 1e3 for k in ("vit_ms", "prefill_ms", "decode_ms")}
@@ -295,7 +296,7 @@ def main() -> None:
                     torch.cuda.reset_peak_memory_stats()
                 secs, hf_tokens = run_hf(hf, sub, b, a.new_tokens, dev)
                 for mine, toks in tokens.items():
-                    same = sum(x == y for p, q in zip(toks, hf_tokens) for x, y in zip(p, q))
+                    same = same_tokens(toks, hf_tokens)
                     print(
                         f"greedy tokens batchvl {mine} == transformers b={b}: {same}/{len(hf_tokens) * a.new_tokens}"
                     )

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import hf_llm_sharing_weights, hf_sharing_weights  # noqa: E402
+from common import hf_llm_sharing_weights, hf_sharing_weights, same_tokens  # noqa: E402
 
 from batchvl.engine import Engine, EngineConfig, Request, Sampling, packed_meta
 from batchvl.llm.decode_step import decode_forward
@@ -30,7 +30,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def agreement(got: list[list[int]], want: list[list[int]]) -> float:
     """Fraction of generated tokens equal position by position."""
-    return sum(x == y for a, b in zip(got, want) for x, y in zip(a, b)) / sum(len(a) for a in want)
+    return same_tokens(got, want) / sum(len(a) for a in want)
 
 
 def shallow(preset: str, vit_layers: int = 4, llm_layers: int = 4):

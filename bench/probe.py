@@ -287,7 +287,8 @@ def attn_job(preset: str = "internvl2_5-8b", layers: int = 8) -> None:
 
     prepared = prepare(500, 8192)
     lens = [[len(prepared[i].input_ids) for i in idx] for idx in batches(prepared, 65536)]
-    c = from_preset(preset).llm
+    cfg = from_preset(preset)
+    c = cfg.llm
 
     def wall(fn, *args) -> float:
         torch.cuda.synchronize()
@@ -317,7 +318,6 @@ def attn_job(preset: str = "internvl2_5-8b", layers: int = 8) -> None:
     row("---", "---")
     for name, ms in tot.items():
         row(name, f"{ms:.1f}")
-    cfg = from_preset(preset)
     cfg = replace(cfg, vision=replace(cfg.vision, num_layers=1), llm=replace(cfg.llm, num_layers=layers))
     model, cfg = random_model(cfg, DEV, DT, seed=0)
     g = torch.Generator().manual_seed(0)
