@@ -193,6 +193,8 @@ class Engine:
             and torch.backends.cudnn.is_available()
             and torch.cuda.get_device_capability(self.device)[0] == 9
         )
+        if self.device.type == "cuda":
+            model.llm.pad_vocab()  # aligned logits rows: cuBLAS's fast kernels for lm_head (Decoder.pad_vocab)
         for layer in model.llm.layers:
             layer.attn.backend = self.ecfg.attn_backend
             if compile_llm and getattr(layer, "_compiled_call_impl", None) is None:

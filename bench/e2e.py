@@ -205,7 +205,7 @@ def main() -> None:
         """The runner's ViT: compiled (unless --compile-vit 0), with the engine's defaults (cuDNN attention first);
         fp8: on a copy of the weights with FP8 layer linears. Every tile bucket the timed runs use is compiled
         before the clock."""
-        from batchvl.encoder.internvit_compiled import bucket_for
+        from batchvl.encoder.internvit_compiled import bucket_plan
         from batchvl.runner import vision_encoder
 
         owner = types.SimpleNamespace(vision=copy.deepcopy(model.vision)) if fp8 else model
@@ -217,10 +217,12 @@ def main() -> None:
         for budget in (a.budget, a.cache_budget):
             for idx in batches(prepared, budget):
                 t = sum(prepared[i].num_tiles for i in idx)
-                sizes |= {min(a.max_vit_tiles, t - s) for s in range(0, t, a.max_vit_tiles)}
-        sizes |= {prepared[0].num_tiles}  # the image cache encodes one image at a time
+                for s in range(0, t, a.max_vit_tiles):  # the engine's chunks, each split as the encoder does
+                    sizes |= set(bucket_plan(min(a.max_vit_tiles, t - s), fn.buckets))
+        # the image cache encodes one image at a time
+        sizes |= set(bucket_plan(prepared[0].num_tiles, fn.buckets))
         t = time.perf_counter()
-        fn.warmup(sorted({bucket_for(s, fn.buckets) for s in sizes}))
+        fn.warmup(sorted(sizes))
         print(f"compiled ViT{' (fp8)' if fp8 else ''} buckets {fn.stats.compile_s} in {time.perf_counter() - t:.0f}s",
               flush=True)  # fmt: skip
         return fn

@@ -8,6 +8,9 @@
     python bench/probe.py attn-job  # the same on the 8B seed job's real batch lengths: per-sequence cuDNN on its
                                 # first visit of each window (plan building) and after, alone and inside the
                                 # compiled 8-layer LLM prefill
+    python bench/probe.py decode  # 8B LLM (32 layers), 33 x ~1990 tokens as in the seed job's batches: graphed
+                                # decode ms/step, the kernels of one step, lm_head padded vs not
+    python bench/probe.py vit300  # `vit` for the 300M encoder only, without the coordinate-descent pass
     python bench/probe.py llm   # 38B LLM (64 layers), 16 x 2000 tokens: prefill and 3 decode steps, eager vs
                                 # CUDA-graphed decode vs compiled layers
 
@@ -47,10 +50,10 @@ def kernel_kind(name: str) -> str:
     return "other"
 
 
-def vit(tiles: int = 64, layers: int = 8) -> None:
+def vit(tiles: int = 64, layers: int = 8, presets=("internvl2_5-38b", "internvl2_5-8b"), tuned=True) -> None:
     """Both encoders, `layers` layers, compiled with cuDNN attention and the GELU epilogue: ms per layer by kernel
     kind against the floor parts, and the top kernels (where the time above the floor goes)."""
-    for preset in ("internvl2_5-38b", "internvl2_5-8b"):
+    for preset in presets:
         cfg = from_preset(preset)
         cfg = replace(cfg, vision=replace(cfg.vision, num_layers=layers))
         v = cfg.vision
@@ -92,6 +95,8 @@ def vit(tiles: int = 64, layers: int = 8) -> None:
         row("floor: attention (cudnn)", f"{floor['attn']:.3f}")
         print()
         print(p.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=90))
+        if not tuned:
+            continue
         torch._dynamo.reset()  # Inductor options are not guarded: recompile from scratch with coordinate descent
         with torch._inductor.config.patch(coordinate_descent_tuning=True):
             ce = compile_encoder(enc, buckets=[tiles], gelu_epilogue=True)
@@ -339,6 +344,72 @@ def attn_job(preset: str = "internvl2_5-8b", layers: int = 8) -> None:
         row(backend, f"{passes[0]:.0f}", f"{passes[1]:.0f}")
 
 
+def decode(preset: str = "internvl2_5-8b", rows: int = 33, length: int = 1990) -> None:
+    """The seed job's decode at 8B shapes: prefill + 3 graphed decode steps of one batch, the kernels of one
+    (eager, compiled-layer) decode step, and lm_head alone with the vocabulary padded or not."""
+    from triton.testing import do_bench
+
+    from batchvl.engine import Engine, EngineConfig, Request, Sampling
+    from batchvl.model.loader import random_model
+
+    cfg = from_preset(preset)
+    cfg = replace(cfg, vision=replace(cfg.vision, num_layers=1))
+    model, cfg = random_model(cfg, DEV, DT, seed=0)
+    g = torch.Generator().manual_seed(0)
+    top = min(150000, cfg.image_token_id)
+    reqs = [Request(torch.randint(0, top, (length - 3 * i,), generator=g)) for i in range(rows)]
+    s = Sampling(max_new_tokens=4, ignore_eos=True)
+    eng = Engine(model, cfg, EngineConfig(), DEV, DT)
+    runs = [eng.run_batch(reqs, s) for _ in range(3)]
+    dec = min(r.decode_ms for r in runs[1:])
+    c = cfg.llm
+    params = (c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+              + c.num_heads * c.head_dim * c.hidden_size + 3 * c.hidden_size * c.intermediate_size) * c.num_layers  # fmt: skip
+    kv = 2 * eng.arena.k.numel() * eng.arena.k.element_size()  # the arena as allocated (padded rows/lengths)
+    print(f"## {preset} LLM, {rows} x ~{length} tokens: prefill {min(r.prefill_ms for r in runs[1:]):.0f} ms, "
+          f"decode {dec:.1f} ms for 3 steps = {dec / 3:.2f} ms / step (graphed; captures {eng.decode_step.captures}); "
+          f"weights {params * 2 / 1e9:.1f} GB + lm_head {c.hidden_size * c.vocab_size * 2 / 1e9:.2f} GB; "
+          f"KV arena {kv / 1e9:.1f} GB; "
+          f"weight-read floor at 4 TB/s {(params + c.hidden_size * c.vocab_size) * 2 / 4e12 * 1e3:.2f} ms / step\n")  # fmt: skip
+    eng = Engine(model, cfg, EngineConfig(cuda_graphs=False), DEV, DT)
+    eng.run_batch(reqs, s)
+    p_ = eng.prefill(reqs, s)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        eng.decode(p_)
+        torch.cuda.synchronize()
+    evs = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    tot = lambda e: (getattr(e, "device_time_total", None) or e.cuda_time_total) / 1e3 / 3  # noqa: E731
+    print(f"kernels of one decode step (eager, compiled layers): {sum(tot(e) for e in evs):.2f} ms / step\n")
+    row("kernel", "kind", "calls / step", "ms / step")
+    row("---", "---", "---", "---")
+    for e in sorted(evs, key=lambda e: -tot(e))[:16]:
+        row(e.key[:90], kernel_kind(e.key), e.count // 3, f"{tot(e):.3f}")
+    h = torch.randn(rows, c.hidden_size, device=DEV, dtype=DT)
+    w = torch.randn(c.vocab_size, c.hidden_size, device=DEV, dtype=DT) * 0.02
+    vp = -(-c.vocab_size // 128) * 128
+    wp = torch.zeros(vp, c.hidden_size, device=DEV, dtype=DT)
+    wp[: c.vocab_size] = w
+    print()
+    row(f"lm_head, {rows} rows", "ms (do_bench)")
+    row("---", "---")
+    row(f"vocabulary {c.vocab_size}", f"{do_bench(lambda: F.linear(h, w).float()):.3f}")
+    row(f"padded to {vp}, sliced", f"{do_bench(lambda: F.linear(h, wp)[:, : c.vocab_size].float()):.3f}")
+
+
+def vit300() -> None:
+    vit(presets=("internvl2_5-8b",), tuned=False)
+
+
 if __name__ == "__main__":
     torch.manual_seed(0)
-    {"vit": vit, "parts": parts, "fp8": fp8, "llm": llm, "attn": attn, "attn-job": attn_job}[sys.argv[1]]()
+    {
+        "decode": decode,
+        "vit300": vit300,
+        "vit": vit,
+        "parts": parts,
+        "fp8": fp8,
+        "llm": llm,
+        "attn": attn,
+        "attn-job": attn_job,
+    }[sys.argv[1]]()

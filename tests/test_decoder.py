@@ -234,3 +234,20 @@ def test_random_init_shards_like_full():
     init_random(part, 5, shard=half, full_shapes=shapes)
     for (n, a), b in zip(full.named_parameters(), part.parameters(), strict=True):
         torch.testing.assert_close(half(n, a), b, atol=0, rtol=0, msg=n)
+
+
+def test_padded_vocab_logits_equal_plain():
+    """pad_vocab (aligned logits rows on CUDA): same logits and the same parameter objects' values, tied or not."""
+    for tied in (False, True):
+        cfg = LLMConfig(**{**CFG.__dict__, "vocab_size": 1001, "tie_word_embeddings": tied})
+        dec = _decoder(cfg)
+        h = torch.randn(5, cfg.hidden_size)
+        with torch.no_grad():
+            ref = dec.logits(h)
+            dec.pad_vocab(64)
+            got = dec.logits(h)
+        assert dec._head_padded.shape == (1024, cfg.hidden_size) and got.shape == (5, 1001)
+        assert dec.lm_head.weight.data_ptr() == dec._head_padded.data_ptr()
+        assert (dec.embed_tokens.weight is dec.lm_head.weight) == tied
+        assert not dec._head_padded[1001:].any()
+        torch.testing.assert_close(got, ref, **TOL)

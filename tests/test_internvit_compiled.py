@@ -8,6 +8,7 @@ from test_internvit import build_pair
 
 from batchvl.encoder.internvit_compiled import (
     bucket_for,
+    bucket_plan,
     compile_encoder,
     compile_kwargs,
     default_buckets,
@@ -33,6 +34,14 @@ def test_buckets() -> None:
     with pytest.raises(ValueError):
         bucket_for(65, b)
     assert padded_fraction(16, b) == 0 and padded_fraction(131, b) == pytest.approx(1 - 131 / 132)
+    # a rest runs as exact buckets while they are >= 16, then pads: 231 = 128 + 96 + 7 (-> 8), not 128 + 112
+    b128 = default_buckets(128)
+    assert bucket_plan(231, b128) == [128, 96, 8]
+    assert padded_fraction(231, b128) == pytest.approx(1 - 231 / 232)
+    assert bucket_plan(17, b128) == [16, 1] and bucket_plan(31, b128) == [16, 16]
+    assert bucket_plan(9, b128) == [16] and bucket_plan(20, [4, 16, 32]) == [16, 4]
+    assert bucket_plan(300, b128) == [128, 128, 32, 16] and bucket_plan(0, b128) == []
+    assert bucket_plan(9, [4]) == [4, 4, 4] and bucket_plan(3, [2, 4]) == [4]
 
 
 @pytest.mark.parametrize("kind", ["6b", "300m"])
@@ -115,3 +124,11 @@ def test_compiled_300m_chunks_over_largest_bucket() -> None:
         ref = enc(px)
     torch.testing.assert_close(got, ref, atol=ATOL, rtol=RTOL)
     assert list(ce.stats.compile_s) == [4] and ce.stats.padded_tiles == 3
+    # a rest split into exact buckets: 20 tiles over [4, 16, 32] run as 16 + 4, no padding, still equal to eager
+    ce = compile_encoder(enc, buckets=[4, 16, 32], gelu_epilogue=False)
+    px = torch.randn(20, 3, 112, 112)
+    got = ce(px)
+    with torch.no_grad():
+        ref = enc(px)
+    torch.testing.assert_close(got, ref, atol=ATOL, rtol=RTOL)
+    assert sorted(ce.stats.compile_s) == [4, 16] and ce.stats.padded_tiles == 0

@@ -159,5 +159,27 @@ class Decoder(nn.Module):
             h = layer(h, cos, sin, meta, cache.layer(i) if cache is not None else None)
         return self.norm(h)
 
+    def pad_vocab(self, multiple: int = 128) -> None:
+        """Keep lm_head's rows in storage padded to a multiple of `multiple` (zero rows), and multiply by all of
+        them. A vocabulary like InternLM2.5's 92 553 makes [T, V] logits rows unaligned, and cuBLAS then picks a
+        slow kernel: 1.2 ms for 33 rows at 8B shapes on an H200 (bench/RESULTS.md, session 4), against ~0.2 ms
+        to read the weight. The parameter stays [V, hidden], a view of the padded storage (tied or not)."""
+        w = self.lm_head.weight
+        vp = -(-w.shape[0] // multiple) * multiple
+        if vp == w.shape[0] or getattr(self, "_head_padded", None) is not None:
+            return
+        padded = torch.zeros(vp, w.shape[1], device=w.device, dtype=w.dtype)
+        padded[: w.shape[0]] = w.detach()
+        view = nn.Parameter(padded[: w.shape[0]], requires_grad=False)  # same storage as `padded`
+        tied = self.embed_tokens.weight is w
+        self.lm_head.weight = view
+        if tied:
+            self.embed_tokens.weight = view
+        self._head_padded = padded
+
     def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h [T, hidden] -> [T, V] float32."""
+        padded = getattr(self, "_head_padded", None)
+        if padded is not None:
+            return F.linear(h, padded)[:, : self.lm_head.weight.shape[0]].float()  # [T, V_padded] -> [T, V]
         return self.lm_head(h).float()
