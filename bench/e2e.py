@@ -90,9 +90,12 @@ def batches(prepared: list, budget: int) -> list[list[int]]:
     return out + ([cur] if cur else [])
 
 
-def run_engine(engine: Engine, prepared: list, budget: int, new_tokens: int) -> tuple[float, list[dict]]:
+def run_engine(
+    engine: Engine, prepared: list, budget: int, new_tokens: int, prefetch: bool = False
+) -> tuple[float, list[dict]]:
     """The runner's loop (`pipeline.Runner._step`): whole batches; with `overlap_vit`, start batch n's ViT, finish
-    batch n-1's decode, then prefill batch n."""
+    batch n-1's decode, then prefill batch n. prefetch (needs `overlap_vit`): start batch n+1's ViT on the side
+    stream before batch n's prefill, so the two run concurrently (an experiment, not the runner's loop)."""
     reqs = [Request(torch.tensor(p.input_ids), p.pixel_values, p.image_key) for p in prepared]
     s = Sampling(max_new_tokens=new_tokens, ignore_eos=True)
     rows: list[dict] = []
@@ -113,7 +116,16 @@ def run_engine(engine: Engine, prepared: list, budget: int, new_tokens: int) -> 
                              cached_prefix_tokens=res.stats["cached_prefix_tokens"][j]))  # fmt: skip
 
     pending = None
-    for bid, idx in enumerate(batches(prepared, budget)):
+    plan = batches(prepared, budget)
+    if prefetch:  # the ViT one batch ahead on the side stream, so it runs under this batch's prefill
+        ahead = engine.encode_async([reqs[i] for i in plan[0]]) if plan else None
+        for bid, idx in enumerate(plan):
+            encoded = ahead
+            ahead = engine.encode_async([reqs[i] for i in plan[bid + 1]]) if bid + 1 < len(plan) else None
+            tb = time.perf_counter()
+            finish(bid, idx, tb, engine.prefill([reqs[i] for i in idx], s, encoded))
+        return sync_time() - t0, rows
+    for bid, idx in enumerate(plan):
         batch = [reqs[i] for i in idx]
         if not engine.ecfg.overlap_vit:
             tb = time.perf_counter()
@@ -167,6 +179,7 @@ def main() -> None:
         "--modes",
         default="nocache,cache,hf",
         help="nocache, cache, hf; -cllm leaves the LLM layers eager; +overlap runs the ViT under the previous decode; "
+        "+prefetch runs the next batch's ViT under this batch's prefill; "
         "+cudnn: LLM prefill attention per sequence through cuDNN instead of flash varlen",
     )
     ap.add_argument("--compile-vit", type=int, default=None, help="1 (default; 0 with --smoke)")
@@ -235,14 +248,15 @@ def main() -> None:
             cached = mode.startswith("cache")
             ecfg = EngineConfig(max_prefill_tokens=a.budget, max_vit_tiles=a.max_vit_tiles, image_cache=cached,
                                 prefix_cache=cached, compile_llm="-cllm" not in mode,
-                                overlap_vit="+overlap" in mode,
+                                overlap_vit="+overlap" in mode or "+prefetch" in mode,
                                 attn_backend="cudnn" if "+cudnn" in mode else "varlen" if "+varlen" in mode
                                 else "auto")  # fmt: skip
             budget = a.cache_budget if cached else a.budget
             enc_fn = encode_fp8 if "+fp8" in mode else encode_fn
             eng = Engine(model, cfg, ecfg, dev, dtype, encode_fn=enc_fn)
             warm = prepared[: max(2, len(prepared) // 50)]
-            run_engine(eng, warm, budget, a.new_tokens)  # warm-up / compile
+            prefetch = "+prefetch" in mode
+            run_engine(eng, warm, budget, a.new_tokens, prefetch)  # warm-up / compile
             if dev.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             eng = Engine(model, cfg, ecfg, dev, dtype, encode_fn=enc_fn)  # fresh caches
@@ -256,7 +270,7 @@ def main() -> None:
             if windows:
                 print(f"cuDNN prefill windows visited before the clock: {windows}", flush=True)
             arena0 = eng.arena.generation
-            secs, rows = run_engine(eng, prepared, budget, a.new_tokens)
+            secs, rows = run_engine(eng, prepared, budget, a.new_tokens, prefetch)
             tokens[mode] = [r["output_token_ids"] for r in rows]
             bf16 = mode.replace("+fp8", "")
             if "+fp8" in mode and bf16 in tokens:  # downstream effect of FP8 ViT features: greedy tokens

@@ -10,6 +10,7 @@
                                 # compiled 8-layer LLM prefill
     python bench/probe.py decode  # 8B LLM (32 layers), 33 x ~1990 tokens as in the seed job's batches: graphed
                                 # decode ms/step, the kernels of one step, lm_head padded vs not
+    python bench/probe.py resid   # the residual add as the GEMM's C (layer scale folded) vs the compiled way
     python bench/probe.py vit300  # `vit` for the 300M encoder only, without the coordinate-descent pass
     python bench/probe.py llm   # 38B LLM (64 layers), 16 x 2000 tokens: prefill and 3 decode steps, eager vs
                                 # CUDA-graphed decode vs compiled layers
@@ -19,6 +20,7 @@ Random bf16 weights at real shapes (normal, std 0.02). Times are do_bench median
 
 from __future__ import annotations
 
+import functools
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -397,6 +399,63 @@ def decode(preset: str = "internvl2_5-8b", rows: int = 33, length: int = 1990) -
     row(f"padded to {vp}, sliced", f"{do_bench(lambda: F.linear(h, wp)[:, : c.vocab_size].float()):.3f}")
 
 
+def resid(tiles: int = 64) -> None:
+    """Can the residual add ride in the GEMM? Per ViT "row-parallel linear + layer scale + residual + next norm" at
+    64 tiles: (A) the compiled encoder's way, F.linear then one Inductor kernel (reads GEMM out + residual, writes
+    residual + normed); (B) layer scale folded into the weight, the residual as cuBLAS's C (addmm, beta 1) inside an
+    opaque op so Inductor keeps it, then a kernel that adds the bias and normalizes (reads 1, writes 2)."""
+    from triton.testing import do_bench
+
+    from batchvl.encoder.internvit import make_norm
+
+    @torch.library.custom_op("probe::resid_mm", mutates_args=())
+    def resid_mm(x: torch.Tensor, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.addmm(x, a, w.t())
+
+    @resid_mm.register_fake
+    def _(x, a, w):
+        return torch.empty_like(x)
+
+    row("encoder", "linear", "A: linear + kernel ms", "B: addmm + kernel ms", "B / A", "mm alone", "addmm alone",
+        "rel diff B vs A")  # fmt: skip
+    row(*["---"] * 8)
+    for preset in ("internvl2_5-8b", "internvl2_5-38b"):
+        v = from_preset(preset).vision
+        C, ff, M = v.hidden_size, v.intermediate_size, tiles * (v.num_patches + 1)
+        norm = make_norm(v).to(DEV, DT)
+        with torch.no_grad():
+            for p_ in norm.parameters():
+                p_.copy_(1 + 0.1 * torch.randn_like(p_))
+        ls = 0.1 * torch.randn(C, device=DEV, dtype=DT)
+
+        def plain(x, a, w, b, ls, norm):
+            x = x + ls * F.linear(a, w, b)
+            return x, norm(x)
+
+        def folded(x, a, w2, b2, norm):
+            x = resid_mm(x, a, w2) + b2
+            return x, norm(x)
+
+        fa, fb = torch.compile(plain, dynamic=False), torch.compile(folded, dynamic=False)
+        for name, k in (("proj", C), ("fc2", ff)):
+            x = torch.randn(M, C, device=DEV, dtype=DT)
+            a = torch.randn(M, k, device=DEV, dtype=DT)
+            w = 0.02 * torch.randn(C, k, device=DEV, dtype=DT)
+            b = 0.02 * torch.randn(C, device=DEV, dtype=DT)
+            w2, b2 = ls[:, None] * w, ls * b
+            args_a, args_b = (x, a, w, b, ls, norm), (x, a, w2, b2, norm)
+            with torch.inference_mode():
+                ra, rb = fa(*args_a), fb(*args_b)
+                ta = do_bench(functools.partial(fa, *args_a))
+                tb = do_bench(functools.partial(fb, *args_b))
+                tm = do_bench(functools.partial(F.linear, a, w))
+                tam = do_bench(functools.partial(torch.addmm, x, a, w.t()))
+            err = ((rb[1].float() - ra[1].float()).norm() / ra[1].float().norm()).item()
+            row(preset.split("_")[-1], name, f"{ta:.3f}", f"{tb:.3f}", f"{tb / ta:.3f}", f"{tm:.3f}", f"{tam:.3f}",
+                f"{err:.1e}")  # fmt: skip
+        torch._dynamo.reset()
+
+
 def vit300() -> None:
     vit(presets=("internvl2_5-8b",), tuned=False)
 
@@ -404,6 +463,7 @@ def vit300() -> None:
 if __name__ == "__main__":
     torch.manual_seed(0)
     {
+        "resid": resid,
         "decode": decode,
         "vit300": vit300,
         "vit": vit,

@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "script, extra",
-    [("e2e.py", []), ("e2e.py", ["--modes", "nocache,nocache+fp8"]), ("vit.py", ["--fp8"])],
+    [("e2e.py", []), ("e2e.py", ["--modes", "nocache,nocache+fp8,nocache+prefetch"]), ("vit.py", ["--fp8"])],
     ids=["e2e", "e2e-fp8", "vit-fp8"],
 )
 def test_bench_smoke(script, extra):
@@ -29,8 +29,9 @@ def test_bench_smoke(script, extra):
         assert "greedy tokens batchvl nocache == transformers b=2: 16/16" in p.stdout
         assert "greedy tokens batchvl cache == transformers b=2: 16/16" in p.stdout
     # the FP8 ViT's downstream check ran (its count depends on the weights)
-    if "nocache,nocache+fp8" in extra:
+    if "nocache,nocache+fp8,nocache+prefetch" in extra:
         assert "greedy tokens batchvl nocache+fp8 == batchvl nocache:" in p.stdout
+        assert "| batchvl nocache+prefetch |" in p.stdout
     if "--fp8" in extra:
         assert "| ours-fp8 |" in p.stdout and "ours-fp8 vs ours-compiled (bf16) features" in p.stdout
     assert "|" in p.stdout  # the table
