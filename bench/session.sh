@@ -1,16 +1,21 @@
 #!/usr/bin/env bash
 # The GPU runs that belong together, one step per device call (each bounded to fit one call's 600 s).
 # Usage on the device (after ../shared/tools/device-prep here; carry .whl and .data):
-#   bash bench/session.sh probe-dec|parity|parity-e2e|parity38-e2e|e2e-both|final|probe-llm|probe-vit|parts|vit64-modes|e2e-cudnn|e2e-38b|e2e-8b-overlap|fp8|fp8-bench|fp8-e2e|attn-8b|e2e-8b-hf64|vit64|vit|e2e|e2e-fast|e2e-8b
+#   bash bench/session.sh probe-dec|try-8b|parity|parity-e2e|parity38-e2e|e2e-both|final|probe-llm|probe-vit|parts|vit64-modes|e2e-cudnn|e2e-38b|e2e-8b-overlap|fp8|fp8-bench|fp8-e2e|attn-8b|e2e-8b-hf64|vit64|vit|e2e|e2e-fast|e2e-8b
 # Full logs land in $OUT (when set); each step ends with the table to copy into bench/RESULTS.md.
 set -u
-what=${1:?probe-dec|parity|parity-e2e|parity38-e2e|e2e-both|final|probe-llm|probe-vit|parts|vit64-modes|e2e-cudnn|e2e-38b|e2e-8b-overlap|fp8|fp8-bench|fp8-e2e|attn-8b|e2e-8b-hf64|vit64|vit|e2e|e2e-fast|e2e-8b}
+what=${1:?probe-dec|try-8b|parity|parity-e2e|parity38-e2e|e2e-both|final|probe-llm|probe-vit|parts|vit64-modes|e2e-cudnn|e2e-38b|e2e-8b-overlap|fp8|fp8-bench|fp8-e2e|attn-8b|e2e-8b-hf64|vit64|vit|e2e|e2e-fast|e2e-8b}
 out=${OUT:-/tmp}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
 case $what in
+try-8b)  # the residual in the ViT's GEMMs (probe), then the 8B seed job with the next batch's ViT under this
+  # batch's prefill (+prefetch) vs not, no transformers run (~4 min warm)
+  timeout 150 python3 bench/probe.py resid 2>&1 | tee "$out/probe_resid.log" | grep -E '^\||Error|error'
+  timeout 400 python3 bench/e2e.py --preset internvl2_5-8b --n 500 --budget 65536 --modes nocache,nocache+prefetch \
+    2>&1 | tee "$out/e2e_8b.log" | grep -E 'compiled|stages|graphs captured|windows|^\||ceiling|RESULT|Error' ;;
 probe-dec)  # the 8B decode step (graphed ms/step, kernels of a step, lm_head padded vs not), then the 300M ViT's
   # kernels at 64 tiles against its floor parts (~3 min)
   timeout 200 python3 bench/probe.py decode 2>&1 | tee "$out/probe_decode.log" | grep -E '^\||^#|Error|error'
