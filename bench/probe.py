@@ -10,6 +10,7 @@
                                 # compiled 8-layer LLM prefill
     python bench/probe.py decode  # 8B LLM (32 layers), 33 x ~1990 tokens as in the seed job's batches: graphed
                                 # decode ms/step, the kernels of one step, lm_head padded vs not
+    python bench/probe.py ragged  # LLM prefill attention: one ragged cuDNN call per batch vs per sequence
     python bench/probe.py resid   # the residual add as the GEMM's C (layer scale folded) vs the compiled way
     python bench/probe.py vit300  # `vit` for the 300M encoder only, without the coordinate-descent pass
     python bench/probe.py llm   # 38B LLM (64 layers), 16 x 2000 tokens: prefill and 3 decode steps, eager vs
@@ -456,6 +457,67 @@ def resid(tiles: int = 64) -> None:
         torch._dynamo.reset()
 
 
+def ragged(preset: str = "internvl2_5-8b") -> None:
+    """One cuDNN call over the whole packed batch (ragged THD layout: `aten._cudnn_attention_forward` with
+    cumulative lengths, the op nested-tensor SDPA uses) against one cuDNN SDPA call per sequence and flash varlen:
+    one layer's attention over the seed job's real batches, plans built (each shape run once before timing)."""
+    import itertools
+
+    from e2e import batches, prepare
+    from triton.testing import do_bench
+
+    from batchvl.llm.attention import AttnMeta, causal_attn_per_seq, prefill_varlen
+
+    c = from_preset(preset).llm
+    prepared = prepare(500, 8192)
+    lens = [[len(prepared[i].input_ids) for i in idx] for idx in batches(prepared, 65536)]
+    op = torch.ops.aten._cudnn_attention_forward
+    print(f"## {preset}: {len(lens)} batches, {c.num_heads} heads / {c.num_kv_heads} kv heads\n")
+    print(f"schema: {op.default._schema}\n")
+
+    def rag(q, k, v, cu, mx, gqa_expand):
+        if gqa_expand and k.shape[1] != q.shape[1]:
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        return op(q, k, v, None, cu, cu, mx, mx, False, 0.0, True, False, scale=c.head_dim**-0.5)[0]
+
+    tot = {"per-seq cudnn": 0.0, "flash varlen": 0.0, "ragged cudnn (GQA native)": 0.0,
+           "ragged cudnn (k/v expanded)": 0.0, "ragged cudnn, max rounded to 128": 0.0}  # fmt: skip
+    errs: dict[str, float] = {}
+    for ls in lens:
+        cu = torch.tensor([0, *itertools.accumulate(ls)], dtype=torch.int32)
+        T = int(cu[-1])
+        q = torch.randn(T, c.num_heads, c.head_dim, device=DEV, dtype=DT)
+        k, v = (torch.randn(T, c.num_kv_heads, c.head_dim, device=DEV, dtype=DT) for _ in range(2))
+        cud, mx = cu.to(DEV), max(ls)
+        meta = AttnMeta(cud, mx, torch.zeros(T, dtype=torch.long), torch.zeros(T, dtype=torch.long))
+        ref = causal_attn_per_seq(q, k, v, cu, "cudnn")
+        P = functools.partial
+        r128 = -(-mx // 128) * 128
+        cases = {
+            "per-seq cudnn": P(causal_attn_per_seq, q, k, v, cu, "cudnn"),
+            "flash varlen": P(prefill_varlen, q, k, v, meta),
+            "ragged cudnn (GQA native)": P(rag, q, k, v, cud, mx, False),
+            "ragged cudnn (k/v expanded)": P(rag, q, k, v, cud, mx, True),
+            "ragged cudnn, max rounded to 128": P(rag, q, k, v, cud, r128, True),
+        }
+        for name, fn in cases.items():
+            if errs.get(name) == float("inf"):
+                continue
+            try:
+                out = fn()
+                e = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+                errs[name] = max(errs.get(name, 0.0), e)
+                tot[name] += do_bench(fn, warmup=5, rep=20)
+            except Exception as ex:  # noqa: BLE001 - a probe: report and go on
+                print(f"{name}: {type(ex).__name__}: {str(ex)[:300]}")
+                errs[name] = float("inf")
+    row("one layer's attention, the job's batches", "ms (sum of do_bench medians)", "max rel err vs per-seq")
+    row("---", "---", "---")
+    for name, ms in tot.items():
+        row(name, f"{ms:.1f}" if errs.get(name) != float("inf") else "failed", f"{errs.get(name, 0):.1e}")
+
+
 def vit300() -> None:
     vit(presets=("internvl2_5-8b",), tuned=False)
 
@@ -463,6 +525,7 @@ def vit300() -> None:
 if __name__ == "__main__":
     torch.manual_seed(0)
     {
+        "ragged": ragged,
         "resid": resid,
         "decode": decode,
         "vit300": vit300,
