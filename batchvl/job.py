@@ -15,6 +15,9 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
+# the ViT compile modes a job may name (kept here, without importing torch: = internvit_compiled.COMPILE_MODES)
+VIT_COMPILE_MODES = ("default", "tuned", "multi-kernel", "max-autotune-no-cudagraphs")
+
 DATA_FORMATS = ("jsonl", "sharegpt", "parquet", "imagefolder", "hf", "demo")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 DEVICES = ("auto", "cpu", "cuda")
@@ -293,8 +296,7 @@ def _validate(job: Job) -> None:
         _at_least(getattr(e, k), 1, f"job.engine.{k}")
     _choice(e.vit_mode, ("auto", "tp", "dp"), "job.engine.vit_mode")
     _choice(e.attn_backend, ("auto", "sdpa", "varlen", "cudnn"), "job.engine.attn_backend")
-    modes = ("default", "tuned", "max-autotune-no-cudagraphs")  # = encoder.internvit_compiled.COMPILE_MODES
-    _choice(e.vit_compile_mode, modes, "job.engine.vit_compile_mode")
+    _choice(e.vit_compile_mode, VIT_COMPILE_MODES, "job.engine.vit_compile_mode")
     _at_least(g.max_new_tokens, 1, "job.generation.max_new_tokens")
     _at_least(g.temperature, 0, "job.generation.temperature")
     if not 0 < g.top_p <= 1:

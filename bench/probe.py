@@ -44,10 +44,12 @@ def row(*cells) -> None:
 
 def kernel_kind(name: str) -> str:
     n = name.lower()
+    if any(
+        k in n for k in ("fmha", "flash", "cudnn", "attn", "attention")
+    ):  # before GEMM: cutlass fmha kernels
+        return "attention"
     if any(k in n for k in ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas")):
         return "GEMM"
-    if any(k in n for k in ("fmha", "flash", "cudnn", "attn", "attention")):
-        return "attention"
     if n.startswith("triton"):
         return "triton (fused elementwise / norms)"
     return "other"

@@ -7,6 +7,7 @@ import torch
 from test_internvit import build_pair
 
 from batchvl.encoder.internvit_compiled import (
+    COMPILE_MODES,
     bucket_for,
     bucket_plan,
     compile_encoder,
@@ -77,7 +78,11 @@ def test_patch_embed_gemm_equals_conv(size: tuple[int, int]) -> None:
 def test_compile_modes() -> None:
     assert compile_kwargs("default") == {}
     assert compile_kwargs("tuned") == {"options": {"coordinate_descent_tuning": True}}
+    assert compile_kwargs("multi-kernel") == {"options": {"triton.multi_kernel": 1}}
     assert compile_kwargs("max-autotune-no-cudagraphs") == {"mode": "max-autotune-no-cudagraphs"}
+    from batchvl.job import VIT_COMPILE_MODES
+
+    assert VIT_COMPILE_MODES == COMPILE_MODES  # what a job file may name is what the encoder takes
     with pytest.raises(ValueError, match="turbo"):
         compile_kwargs("turbo")
 

@@ -124,13 +124,15 @@ def sdpa_context(
 
 # --------------------------------------------------------------------------- compile modes
 
-COMPILE_MODES = ("default", "tuned", "max-autotune-no-cudagraphs")
+COMPILE_MODES = ("default", "tuned", "multi-kernel", "max-autotune-no-cudagraphs")
 
 
 def compile_kwargs(mode: str) -> dict:
     """torch.compile arguments for a ViT compile mode: "default"; "tuned", the default plus Inductor's
     coordinate-descent search over its own fused kernels' launch configs (norms, residuals; the GEMMs stay
-    cuBLAS); or a torch.compile mode name.
+    cuBLAS); "multi-kernel", the default with each reduction (the residual + norm kernels) generated both
+    persistent and looped and the faster one picked on first run (Inductor only makes a norm over 1024 columns
+    persistent when it reads its inputs as plain rows, and never over 3200); or a torch.compile mode name.
 
     "tuned" on an H200 at 64 tiles: +0.3% (6B) and +2.3% (300M) throughput for ~18 s more compile per bucket
     (bench/RESULTS.md). On a cold Inductor cache that pays back only after about 9 h (6B) or 1 h (300M) of ViT
@@ -141,6 +143,8 @@ def compile_kwargs(mode: str) -> dict:
         return {}
     if mode == "tuned":
         return {"options": {"coordinate_descent_tuning": True}}
+    if mode == "multi-kernel":
+        return {"options": {"triton.multi_kernel": 1}}
     return {"mode": mode}
 
 
