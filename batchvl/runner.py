@@ -130,6 +130,7 @@ def vision_encoder(model: Any, cfg: InternVLConfig, ecfg: Any, ctx: dist.DistCon
             mode=ecfg.vit_compile_mode,
             max_tiles=ecfg.max_vit_tiles,
             gelu_epilogue=ecfg.vit_gelu_epilogue,
+            fused_norm=ecfg.vit_fused_norm,
         )
         if ecfg.compile_vit
         else None

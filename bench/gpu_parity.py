@@ -60,10 +60,14 @@ def main() -> int:
             try:
                 from batchvl.encoder.internvit_compiled import compile_encoder
 
-                for backend, epi in (("flash", False), ("cudnn", False), ("cudnn", True)):
-                    ce = compile_encoder(fast.vision, attn_backend=backend, gelu_epilogue=epi)
+                for backend, epi, fused in (("flash", False, False), ("cudnn", False, False), ("cudnn", True, False),
+                                            ("cudnn", True, True)):  # fmt: skip
+                    ce = compile_encoder(
+                        fast.vision, attn_backend=backend, gelu_epilogue=epi, fused_norm=fused
+                    )
                     fc = ce(pv.to(torch.bfloat16))
                     name = f"ViT+projector compiled ({backend}, gelu epilogue {epi}) bf16 vs fp32"
+                    name = name.replace(") bf16", ", fused residual norm) bf16") if fused else name
                     rows.append((preset, name, rel(fc.reshape(f32.shape), f32)))
                 # FP8 layer linears (opt-in, engine.vit_fp8): an accuracy trade, reported, not held to 1e-2
                 from batchvl.encoder.fp8 import fp8_vit

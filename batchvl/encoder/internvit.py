@@ -83,6 +83,10 @@ class InternViTAttention(nn.Module):
         self.proj = nn.Linear(C, C, bias=True)
 
     def forward(self, x: Tensor) -> Tensor:
+        return self.proj(self.mix(x))  # [B, T, C]
+
+    def mix(self, x: Tensor) -> Tensor:
+        """Everything before the output projection: [B, T, C] -> heads' outputs [B, T, C]."""
         B, T, _ = x.shape
         q, k, v = self.qkv(x).chunk(3, dim=-1)  # 3 x [B, T, C]
         if self.qk_normalization:
@@ -90,7 +94,7 @@ class InternViTAttention(nn.Module):
         # head count comes from the weight width, so a tensor-parallel shard needs no bookkeeping here
         q, k, v = (t.reshape(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
         o = F.scaled_dot_product_attention(q, k, v, scale=self.head_dim**-0.5)  # [B, H, T, D]
-        return self.proj(o.transpose(1, 2).reshape(B, T, -1))  # [B, T, C]
+        return o.transpose(1, 2).reshape(B, T, -1)  # [B, T, C]
 
 
 class InternViTMLP(nn.Module):

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from batchvl.encoder.fused_norm import norm_params, residual_norm
 from batchvl.encoder.internvit import (
     InternViTEmbeddings,
     InternViTLayer,
@@ -61,24 +62,56 @@ def fast_embed(emb: InternViTEmbeddings, norm1: nn.Module, pixel_values: Tensor)
     return x, norm1(x)
 
 
+def mlp_hidden(mlp: InternViTMLP, x: Tensor, gelu_epilogue: bool) -> Tensor:
+    """GELU(fc1(x)): [B, T, C] -> [B*T, ff]; with gelu_epilogue one GEMM (cuBLASLt epilogue on CUDA)."""
+    B, T, C = x.shape
+    if gelu_epilogue:
+        return torch._addmm_activation(mlp.fc1.bias, x.reshape(B * T, C), mlp.fc1.weight.t(), use_gelu=True)
+    return F.gelu(mlp.fc1(x.reshape(B * T, C)))
+
+
 def fast_mlp(mlp: InternViTMLP, x: Tensor) -> Tensor:
     """mlp(x) with fc1 + GELU in one GEMM (cuBLASLt epilogue on CUDA): [B, T, C] -> [B, T, C]. An fc1 that is not
     a plain Linear (FP8, `encoder/fp8.py`) runs the module's own forward."""
     if not isinstance(mlp.fc1, nn.Linear):
         return mlp(x)
-    B, T, C = x.shape
-    h = torch._addmm_activation(mlp.fc1.bias, x.reshape(B * T, C), mlp.fc1.weight.t(), use_gelu=True)
-    return mlp.fc2(h).view(B, T, -1)  # h: [B*T, ff]
+    B, T, _ = x.shape
+    return mlp.fc2(mlp_hidden(mlp, x, True)).view(B, T, -1)
 
 
 def fast_layer(
-    layer: InternViTLayer, x: Tensor, h: Tensor, next_norm: nn.Module | None, gelu_epilogue: bool = False
+    layer: InternViTLayer,
+    x: Tensor,
+    h: Tensor,
+    next_norm: nn.Module | None,
+    gelu_epilogue: bool = False,
+    fused_norm: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    """`layer(x)` given h = layer.norm1(x); also returns next_norm(x_out) (x_out itself after the last layer)."""
+    """`layer(x)` given h = layer.norm1(x); also returns next_norm(x_out) (x_out itself after the last layer).
+    fused_norm: the residual + layer scale + next norm steps through `fused_norm.residual_norm` (plain Linear
+    proj / fc2 only; FP8 layers take the other path)."""
+    if fused_norm and all(isinstance(m, nn.Linear) for m in (layer.attn.proj, layer.mlp.fc1, layer.mlp.fc2)):
+        return fast_layer_fused(layer, x, h, next_norm, gelu_epilogue)
     x = x + layer.ls1 * layer.attn(h)  # one qkv GEMM, qk-norm over full C, SDPA, proj
     h2 = layer.norm2(x)
     x = x + layer.ls2 * (fast_mlp(layer.mlp, h2) if gelu_epilogue else layer.mlp(h2))
     return x, (next_norm(x) if next_norm is not None else x)
+
+
+def fast_layer_fused(
+    layer: InternViTLayer, x: Tensor, h: Tensor, next_norm: nn.Module | None, gelu_epilogue: bool
+) -> tuple[Tensor, Tensor]:
+    """`fast_layer` with each "x + ls * (y + bias), then norm" as one `residual_norm` pass over [B*T, C] rows."""
+    B, T, C = x.shape
+    a, m = layer.attn, layer.mlp
+    y = F.linear(a.mix(h).reshape(B * T, C), a.proj.weight)  # [B*T, C], bias added in the next pass
+    x, h2 = residual_norm(x.reshape(B * T, C), y, a.proj.bias, layer.ls1, *norm_params(layer.norm2))
+    y = F.linear(mlp_hidden(m, h2.view(B, T, C), gelu_epilogue), m.fc2.weight)  # [B*T, C]
+    if next_norm is None:
+        x = x + layer.ls2 * (y + m.fc2.bias)
+        return x.view(B, T, C), x.view(B, T, C)
+    x, h = residual_norm(x, y, m.fc2.bias, layer.ls2, *norm_params(next_norm))
+    return x.view(B, T, C), h.view(B, T, C)
 
 
 def fast_head(projector: Projector, x: Tensor, ratio: float) -> Tensor:
@@ -93,12 +126,14 @@ def fast_forward(
     layer_fn: Callable = fast_layer,
     head: Callable = fast_head,
     gelu_epilogue: bool = False,
+    fused_norm: bool = False,
 ) -> Tensor:
     """The whole encoder through the fast pieces (pass compiled versions of them to run compiled)."""
     layers = enc.vit.layers
     x, h = embed(enc.vit.embeddings, layers[0].norm1, pixel_values)  # [B, 1+N, C] x2
     for i, layer in enumerate(layers):
-        x, h = layer_fn(layer, x, h, layers[i + 1].norm1 if i + 1 < len(layers) else None, gelu_epilogue)
+        nxt = layers[i + 1].norm1 if i + 1 < len(layers) else None
+        x, h = layer_fn(layer, x, h, nxt, gelu_epilogue, fused_norm)
     return head(enc.projector, x, enc.cfg.downsample_ratio)  # [B, num_image_token, H]
 
 
@@ -255,6 +290,7 @@ class CompiledEncoder:
     `cache_dir` sets TORCHINDUCTOR_CACHE_DIR (if unset) for the FX/AOT/autotune caches.
     attn_backend: the SDPA backend tried first ("cudnn" measured fastest at these shapes on an H200; the others
     are the fallback). gelu_epilogue: fc1 + GELU as one cuBLASLt GEMM (module docstring); off: exact GELU in Inductor.
+    fused_norm: residual + layer scale + next norm as one Triton pass per row (`fused_norm.residual_norm`).
     """
 
     def __init__(
@@ -267,9 +303,10 @@ class CompiledEncoder:
         attn_backend: str = "cudnn",
         cache_dir: str | None = None,
         gelu_epilogue: bool = True,
+        fused_norm: bool = False,
     ) -> None:
         self.enc, self.dynamic, self.attn_backend = enc, dynamic, attn_backend
-        self.gelu_epilogue = gelu_epilogue
+        self.gelu_epilogue, self.fused_norm = gelu_epilogue, fused_norm
         self.buckets = sorted(buckets) if buckets else default_buckets(max_tiles)
         self.stats = CompileStats(mode=mode, buckets=self.buckets, caches=_cache_settings(cache_dir))
         # fast_layer: with/without next norm per bucket, and room to spare: a hit limit fails hard (fullgraph)
@@ -284,7 +321,9 @@ class CompiledEncoder:
         # engine call under inference_mode would otherwise compile every bucket twice
         with torch.inference_mode(), sdpa_context(self.attn_backend, px.device):
             px = px if px.is_inference() else px.clone()
-            return fast_forward(self.enc, px, self.embed, self.layer, self.head, self.gelu_epilogue)
+            return fast_forward(
+                self.enc, px, self.embed, self.layer, self.head, self.gelu_epilogue, self.fused_norm
+            )
 
     def _chunks(self, n: int) -> Iterator[tuple[int, int, int]]:
         """(start, tiles, bucket) per call, as `bucket_plan` splits n."""

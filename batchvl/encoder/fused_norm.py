@@ -1,0 +1,109 @@
+"""Residual + layer scale + next norm in one pass: `x_new = x + ls * (y + bias)`, `h = norm(x_new)`.
+
+The InternViT layer does this twice (after proj, after fc2). Inductor fuses it too, but on an H200 at 64 tiles its
+kernel ran at 175-192 us per call for the 300M encoder (bench/RESULTS.md, session 6), against 114 us for the same
+sums compiled alone, so here it is one Triton program per row: read y and x once, write x_new and h once.
+
+Registered with `torch.library` plus a fake implementation, so a compiled layer traces it as one opaque node; off
+CUDA (or without Triton) the same op runs `residual_norm_reference`, the eager layer's sums.
+Numerics follow the eager layer: the norm reads x_new as rounded to the activation dtype, and RMSNorm multiplies
+its weight after rounding the normalized row (`internvit.RMSNorm`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the op runs the reference
+    triton = None
+
+
+def residual_norm_reference(
+    x: Tensor, y: Tensor, bias: Tensor | None, ls: Tensor, w: Tensor, nb: Tensor | None, eps: float, rms: bool
+) -> tuple[Tensor, Tensor]:
+    """x, y [M, C]; bias, ls, w, nb [C] -> (x + ls * (y + bias), norm(that)), as the eager layer computes them."""
+    x_new = x + ls * (y + bias if bias is not None else y)
+    if rms:
+        xf = x_new.float()
+        h = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    else:
+        h = F.layer_norm(x_new, (x.shape[-1],), w, nb, eps)
+    return x_new, h
+
+
+if triton is not None:
+
+    @triton.jit
+    def _residual_norm_kernel(
+        X, Y, BIAS, LS, W, NB, XO, HO, C, eps,
+        HAS_BIAS: tl.constexpr, HAS_NB: tl.constexpr, RMS: tl.constexpr, BLOCK_C: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK_C)
+        m = cols < C
+        off = row * C + cols
+        y = tl.load(Y + off, mask=m, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            y = y + tl.load(BIAS + cols, mask=m, other=0.0).to(tl.float32)
+        ls = tl.load(LS + cols, mask=m, other=0.0).to(tl.float32)
+        x = tl.load(X + off, mask=m, other=0.0).to(tl.float32) + ls * y
+        xo = x.to(XO.dtype.element_ty)
+        tl.store(XO + off, xo, mask=m)
+        x = xo.to(tl.float32)  # the norm reads the rounded residual, as the eager layer does
+        w = tl.load(W + cols, mask=m, other=0.0).to(tl.float32)
+        if RMS:
+            n = x * tl.rsqrt(tl.sum(x * x, axis=0) / C + eps)
+            h = n.to(HO.dtype.element_ty).to(tl.float32) * w
+        else:
+            mean = tl.sum(x, axis=0) / C
+            d = tl.where(m, x - mean, 0.0)
+            h = d * tl.rsqrt(tl.sum(d * d, axis=0) / C + eps) * w
+            if HAS_NB:
+                h = h + tl.load(NB + cols, mask=m, other=0.0).to(tl.float32)
+        tl.store(HO + off, h.to(HO.dtype.element_ty), mask=m)
+
+
+def _use_triton(x: Tensor) -> bool:
+    return triton is not None and (x.is_cuda or _interpreting())
+
+
+def _interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@torch.library.custom_op("batchvl::residual_norm", mutates_args=())
+def residual_norm(
+    x: Tensor, y: Tensor, bias: Tensor | None, ls: Tensor, w: Tensor, nb: Tensor | None, eps: float, rms: bool
+) -> tuple[Tensor, Tensor]:
+    """x, y [M, C] (contiguous rows) -> (x + ls * (y + bias), norm(...)), norm = RMSNorm (rms) or LayerNorm."""
+    if not _use_triton(x):
+        return residual_norm_reference(x, y, bias, ls, w, nb, eps, rms)
+    x, y = x.contiguous(), y.contiguous()
+    M, C = x.shape
+    xo, ho = torch.empty_like(x), torch.empty_like(x)
+    block = triton.next_power_of_2(C)
+    _residual_norm_kernel[(M,)](
+        x, y, bias if bias is not None else x, ls, w, nb if nb is not None else w, xo, ho, C, eps,
+        HAS_BIAS=bias is not None, HAS_NB=nb is not None, RMS=rms, BLOCK_C=block,
+        num_warps=min(16, max(4, block // 256)),
+    )  # fmt: skip
+    return xo, ho
+
+
+@residual_norm.register_fake
+def _(x, y, bias, ls, w, nb, eps, rms):
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+def norm_params(norm: torch.nn.Module) -> tuple[Tensor, Tensor | None, float, bool]:
+    """(weight, bias or None, eps, is_rms) of an InternViT norm (LayerNorm or internvit.RMSNorm)."""
+    if isinstance(norm, torch.nn.LayerNorm):
+        return norm.weight, norm.bias, norm.eps, False
+    return norm.weight, None, norm.eps, True
