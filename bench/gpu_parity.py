@@ -33,6 +33,31 @@ def agreement(got: list[list[int]], want: list[list[int]]) -> float:
     return same_tokens(got, want) / sum(len(a) for a in want)
 
 
+def divergence(eng16: Engine, eng32: Engine, reqs: list, got: list, want: list) -> str:
+    """Where bf16 greedy tokens first leave fp32's: both engines' top-2 logits there (prompt + fp32's tokens so far,
+    prefilled), and bf16's with lm_head over the unpadded vocabulary too. A margin far below the bf16 logits'
+    error is a near-tie, not a bug."""
+    for r, (g, w) in enumerate(zip(got, want)):
+        k = next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), None)
+        if k is None:
+            continue
+        ids = torch.cat([reqs[r].input_ids, torch.tensor(w[:k], dtype=reqs[r].input_ids.dtype)])
+        out = []
+        for e, unpad in ((eng32, False), (eng16, False), (eng16, True)):
+            llm = e.model.llm
+            saved = getattr(llm, "_head_padded", None)
+            if unpad:
+                llm._head_padded = None  # lm_head.weight is a view of the same values
+            with torch.inference_mode():
+                feats, _ = e.encode([reqs[r]])
+                lg = e._prefill([ids], feats, [0], None, extra=0)[0][0].float()
+            llm._head_padded = saved
+            top = lg.topk(2)
+            out.append(f"{top.indices.tolist()} margin {float(top.values[0] - top.values[1]):.3g}")
+        return f"request {r} step {k}: fp32 top-2 {out[0]}; bf16 {out[1]}; bf16 unpadded lm_head {out[2]}"
+    return "no divergence"
+
+
 def shallow(preset: str, vit_layers: int = 4, llm_layers: int = 4):
     cfg = from_preset(preset)
     return replace(
@@ -147,6 +172,11 @@ def main() -> int:
             got = eng.run_batch(reqs, s).output_ids
             agree = agreement(got, want)
             rows.append((preset, f"greedy tokens {name} == fp32 (fraction)", agree))
+            if agree < 1:
+                e32 = Engine(
+                    ref, cfg, EngineConfig(attn_backend="sdpa", compile_llm=False), dev, torch.float32
+                )
+                print(f"{preset} {name}: {divergence(eng, e32, reqs, got, want)}", flush=True)
         if fp8_encode is not None:  # the downstream check of FP8 ViT features: whole-request greedy tokens
             eng = Engine(fast, cfg, EngineConfig(), dev, torch.bfloat16, encode_fn=fp8_encode)
             got = eng.run_batch(reqs, s).output_ids
