@@ -81,7 +81,7 @@ class EngineSpec:
     compile_vit: bool = True
     vit_compile_mode: str = "default"
     vit_gelu_epilogue: bool = True
-    vit_fused_norm: bool = False
+    vit_fused_norm: bool = True
     vit_fp8: bool = False
     vit_mode: str = "auto"
     vit_splits: int = 2

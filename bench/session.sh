@@ -16,7 +16,8 @@ margins)  # 38B parity only, with where bf16 greedy tokens leave fp32's (top-2 m
 fused)  # parity of every fast path (now with the fused residual norm), then both encoders at 64 tiles: ours
   # compiled (default) vs multi-kernel reductions vs the Triton residual-norm pass, no transformers (~5 min)
   timeout 170 python3 bench/gpu_parity.py 2>&1 | tee "$out/parity.log" | grep '^|'
-  timeout 380 python3 bench/vit.py --batches 64 --mode default --vs-mode multi-kernel --fused-norm --skip-hf \
+  # (run at 25a4dee, when the pass was opt-in as --fused-norm; now it is the default and --unfused-norm the other)
+  timeout 380 python3 bench/vit.py --batches 64 --mode default --vs-mode multi-kernel --unfused-norm --skip-hf \
     --budget-s 320 2>&1 | tee "$out/vit.log" | grep -E 'floor|compile|^\||attention|Error|error' | tail -30 ;;
 ragged)  # LLM prefill attention over the 8B job's batches: one ragged cuDNN call vs per sequence vs flash varlen
   timeout 300 python3 bench/probe.py ragged 2>&1 | tee "$out/probe_ragged.log" | grep -E '^\||^#|schema|Error|error' ;;

@@ -303,7 +303,7 @@ class CompiledEncoder:
         attn_backend: str = "cudnn",
         cache_dir: str | None = None,
         gelu_epilogue: bool = True,
-        fused_norm: bool = False,
+        fused_norm: bool = True,
     ) -> None:
         self.enc, self.dynamic, self.attn_backend = enc, dynamic, attn_backend
         self.gelu_epilogue, self.fused_norm = gelu_epilogue, fused_norm
