@@ -163,7 +163,8 @@ class Decoder(nn.Module):
         """Keep lm_head's rows in storage padded to a multiple of `multiple` (zero rows), and multiply by all of
         them. A vocabulary like InternLM2.5's 92 553 makes [T, V] logits rows unaligned, and cuBLAS then picks a
         slow kernel: 1.2 ms for 33 rows at 8B shapes on an H200 (bench/RESULTS.md, session 4), against ~0.2 ms
-        to read the weight. The parameter stays [V, hidden], a view of the padded storage (tied or not)."""
+        to read the weight. The parameter stays [V, hidden], a view of the padded storage (tied or not). Call it
+        after the model's last `.to()`: the padded storage is a plain attribute, which `.to()` does not move."""
         w = self.lm_head.weight
         vp = -(-w.shape[0] // multiple) * multiple
         if vp == w.shape[0] or getattr(self, "_head_padded", None) is not None:
