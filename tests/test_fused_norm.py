@@ -49,6 +49,7 @@ def test_triton_kernel_in_the_interpreter() -> None:
         import torch
         from batchvl.encoder.fused_norm import _use_triton, residual_norm, residual_norm_reference
         assert _use_triton(torch.zeros(1))  # the interpreter path, not the CPU fallback
+        assert not _use_triton(torch.zeros(1, 8193))  # too wide for one row in registers: the reference
         torch.manual_seed(0)
         worst = {torch.float32: 0.0, torch.bfloat16: 0.0}
         for dt in worst:

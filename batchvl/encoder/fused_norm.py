@@ -68,8 +68,11 @@ if triton is not None:
         tl.store(HO + off, h.to(HO.dtype.element_ty), mask=m)
 
 
+MAX_TRITON_WIDTH = 8192  # one row per program in registers: InternViT's widths are 1024 and 3200
+
+
 def _use_triton(x: Tensor) -> bool:
-    return triton is not None and (x.is_cuda or _interpreting())
+    return triton is not None and (x.is_cuda or _interpreting()) and x.shape[-1] <= MAX_TRITON_WIDTH
 
 
 def _interpreting() -> bool:
