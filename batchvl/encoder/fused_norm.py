@@ -12,6 +12,8 @@ its weight after rounding the normalized row (`internvit.RMSNorm`).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -76,8 +78,6 @@ def _use_triton(x: Tensor) -> bool:
 
 
 def _interpreting() -> bool:
-    import os
-
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
