@@ -42,7 +42,7 @@ def divergence(eng16: Engine, eng32: Engine, reqs: list, got: list, want: list) 
         if k is None:
             continue
         ids = torch.cat([reqs[r].input_ids, torch.tensor(w[:k], dtype=reqs[r].input_ids.dtype)])
-        out = []
+        out, ref = [], None
         for e, unpad in ((eng32, False), (eng16, False), (eng16, True)):
             llm = e.model.llm
             saved = getattr(llm, "_head_padded", None)
@@ -53,7 +53,9 @@ def divergence(eng16: Engine, eng32: Engine, reqs: list, got: list, want: list) 
                 lg = e._prefill([ids], feats, [0], None, extra=0)[0][0].float()
             llm._head_padded = saved
             top = lg.topk(2)
-            out.append(f"{top.indices.tolist()} margin {float(top.values[0] - top.values[1]):.3g}")
+            dev = f"; max |logit - fp32's| {float((lg - ref).abs().max()):.3g}" if out else ""
+            ref = lg if not out else ref
+            out.append(f"{top.indices.tolist()} margin {float(top.values[0] - top.values[1]):.3g}{dev}")
         return f"request {r} step {k}: fp32 top-2 {out[0]}; bf16 {out[1]}; bf16 unpadded lm_head {out[2]}"
     return "no divergence"
 

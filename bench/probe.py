@@ -12,6 +12,9 @@
                                 # decode ms/step, the kernels of one step, lm_head padded vs not
     python bench/probe.py ragged  # LLM prefill attention: one ragged cuDNN call per batch vs per sequence
     python bench/probe.py resid   # the residual add as the GEMM's C (layer scale folded) vs the compiled way
+    python bench/probe.py swiglu  # the MLP's gate/up GEMM with SiLU * up in a Triton epilogue vs cuBLAS + a pass
+    python bench/probe.py padded  # LLM prefill attention: one batched cuDNN call over right-padded sequences vs
+                                  # per sequence; fp32 logits from the bf16 GEMM (mm out_dtype)
     python bench/probe.py vit300  # `vit` for the 300M encoder only, without the coordinate-descent pass
     python bench/probe.py llm   # 38B LLM (64 layers), 16 x 2000 tokens: prefill and 3 decode steps, eager vs
                                 # CUDA-graphed decode vs compiled layers
@@ -520,6 +523,204 @@ def ragged(preset: str = "internvl2_5-8b") -> None:
         row(name, f"{ms:.1f}" if errs.get(name) != float("inf") else "failed", f"{errs.get(name, 0):.1e}")
 
 
+# --- the MLP's gate/up GEMM with SiLU * up in a Triton epilogue (`swiglu`): measured slower than cuBLAS + a pass
+# (bench/RESULTS.md, session 7), so it lives here, not in batchvl/. One program computes a tile of gate and the
+# same tile of up from one A tile and writes only silu(g) * u, rounded once.
+
+
+def swiglu_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, H], w [2I, H] ([gate; up]) -> silu(gate) * up [M, I], as the eager MLP computes it."""
+    gate, up = F.linear(x, w).chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+# (BLOCK_M, BLOCK_N per half, BLOCK_K, GROUP_M, num_stages, num_warps): what `probe.py swiglu` times on the GPU
+CONFIGS = [
+    (128, 128, 64, 8, 3, 8),
+    (128, 128, 64, 8, 4, 8),
+    (128, 64, 64, 8, 4, 4),
+    (128, 64, 64, 8, 5, 8),
+    (256, 64, 64, 8, 3, 8),
+    (64, 128, 64, 8, 4, 4),
+    (128, 128, 32, 8, 4, 8),
+]
+
+if triton is not None:
+
+    @triton.jit
+    def _swiglu_mm_kernel(
+        X, W, OUT, M, N, K, stride_xm, stride_wn, stride_om,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    ):  # fmt: skip
+        # grouped launch order: GROUP_M row tiles share the weight tiles they read while those sit in L2
+        pid = tl.program_id(0)
+        n_m, n_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+        per_group = GROUP_M * n_n
+        first_m = (pid // per_group) * GROUP_M
+        size_m = min(n_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % per_group) % size_m
+        pid_n = (pid % per_group) // size_m
+        rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M  # wrapped: loads need no mask, stores do
+        rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+        rk = tl.arange(0, BLOCK_K)
+        xp = X + rm[:, None].to(tl.int64) * stride_xm + rk[None, :]  # [BLOCK_M, BLOCK_K]
+        gp = (
+            W + rn[None, :].to(tl.int64) * stride_wn + rk[:, None]
+        )  # [BLOCK_K, BLOCK_N]: gate rows, transposed
+        up = gp + N * stride_wn  # the same rows of up
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for _ in range(0, K, BLOCK_K):  # K % BLOCK_K == 0 (checked by the caller)
+            a = tl.load(xp)
+            acc_g = tl.dot(a, tl.load(gp), acc_g)
+            acc_u = tl.dot(a, tl.load(up), acc_u)
+            xp += BLOCK_K
+            gp += BLOCK_K
+            up += BLOCK_K
+        out = acc_g * tl.sigmoid(acc_g) * acc_u  # fp32, rounded once below
+        om = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        on = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        op = OUT + om[:, None].to(tl.int64) * stride_om + on[None, :]
+        tl.store(op, out.to(OUT.dtype.element_ty), mask=(om[:, None] < M) & (on[None, :] < N))
+
+
+def swiglu_triton(x: torch.Tensor, w: torch.Tensor, cfg) -> torch.Tensor:
+    """The kernel itself (no fallback): x [M, H], w [2I, H] -> [M, I]."""
+    bm, bn, bk, gm, stages, warps = cfg
+    x, w = x.contiguous(), w.contiguous()
+    M, K = x.shape
+    N = w.shape[0] // 2
+    assert K % bk == 0, (K, bk)
+    out = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
+    _swiglu_mm_kernel[grid](
+        x, w, out, M, N, K, x.stride(0), w.stride(0), out.stride(0),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_stages=stages, num_warps=warps,
+    )  # fmt: skip
+    return out
+
+
+def swiglu() -> None:
+    """The MLP's gate/up GEMM with SiLU * up in its epilogue (Triton, `swiglu_triton` above) against cuBLAS + the
+    elementwise pass (eager, and compiled as the compiled decoder layer runs it), at 8B and 38B widths, 64k and 32k
+    rows: every kernel config, rel. error vs fp32."""
+    from triton.testing import do_bench
+
+    compiled = torch.compile(swiglu_reference)
+    row("preset", "rows", "variant", "ms", "TFLOP/s", "rel err vs fp32")
+    row(*["---"] * 6)
+    for preset in ("internvl2_5-8b", "internvl2_5-38b"):
+        c = from_preset(preset).llm
+        for m in (65536, 32768):
+            x = torch.randn(m, c.hidden_size, device=DEV, dtype=DT)
+            w = torch.randn(2 * c.intermediate_size, c.hidden_size, device=DEV, dtype=DT) * 0.02
+            flop = 2 * m * c.hidden_size * 2 * c.intermediate_size
+            r = swiglu_reference(x[:4096].float(), w.float())  # fp32 reference on the first 4096 rows
+            P = functools.partial
+            cases = {"cuBLAS GEMM alone": P(F.linear, x, w), "cuBLAS + eager SiLU*up": P(swiglu_reference, x, w),
+                     "cuBLAS + compiled SiLU*up": P(compiled, x, w)}  # fmt: skip
+            for cfg in CONFIGS:
+                cases[f"triton {cfg}"] = P(swiglu_triton, x, w, cfg)
+            for name, fn in cases.items():
+                try:
+                    o = fn()
+                    ms = do_bench(fn, warmup=10, rep=50)
+                    e = "-"
+                    if o.shape[-1] == c.intermediate_size:
+                        e = f"{float((o[:4096].float() - r).norm() / r.norm()):.1e}"
+                    row(preset, m, name, f"{ms:.3f}", f"{flop / ms / 1e9:.0f}", e)
+                except Exception as ex:  # noqa: BLE001 - a probe: report and go on
+                    row(preset, m, name, f"failed: {type(ex).__name__}: {str(ex)[:200]}", "", "")
+            del x, w, r
+            torch.cuda.empty_cache()
+
+
+def padded() -> None:
+    """LLM prefill attention over the 8B seed job's batches: one cuDNN SDPA call per sequence (the default on
+    Hopper) against one batched causal call over the sequences right-padded to one window (exact: causal queries
+    never see the padding after them), scatter and gather included; and flash varlen. Then fp32 logits straight
+    from the bf16 GEMM (`torch.mm(..., out_dtype=float32)`) vs the bf16 product cast, eager and in a CUDA graph."""
+    import itertools
+
+    from e2e import batches, prepare
+    from triton.testing import do_bench
+
+    from batchvl.llm.attention import AttnMeta, causal_attn_per_seq, per_seq_window, prefill_varlen
+
+    c = from_preset("internvl2_5-8b").llm
+    prepared = prepare(500, 8192)
+    lens = [[len(prepared[i].input_ids) for i in idx] for idx in batches(prepared, 65536)]
+
+    def batched(q, k, v, idx, b, L):
+        h, hk, d = q.shape[1], k.shape[1], q.shape[2]
+        qp = q.new_zeros(b * L, h, d).index_copy_(0, idx, q).view(b, L, h, d)
+        kp = k.new_zeros(b * L, hk, d).index_copy_(0, idx, k).view(b, L, hk, d)
+        vp = v.new_zeros(b * L, hk, d).index_copy_(0, idx, v).view(b, L, hk, d)
+        with sdpa_context("cudnn", q.device):
+            o = F.scaled_dot_product_attention(
+                qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2), is_causal=True, enable_gqa=True
+            )  # [B, H, L, D]
+        return o.transpose(1, 2).reshape(b * L, h, d).index_select(0, idx)
+
+    tot = {"per-seq cudnn": 0.0, "batched padded cudnn (scatter + gather incl.)": 0.0, "flash varlen": 0.0}
+    err = 0.0
+    for ls in lens:
+        cu = torch.tensor([0, *itertools.accumulate(ls)], dtype=torch.int32)
+        T, b, L = int(cu[-1]), len(ls), per_seq_window(max(ls))
+        q = torch.randn(T, c.num_heads, c.head_dim, device=DEV, dtype=DT)
+        k, v = (torch.randn(T, c.num_kv_heads, c.head_dim, device=DEV, dtype=DT) for _ in range(2))
+        idx = torch.cat([torch.arange(n) + i * L for i, n in enumerate(ls)]).to(DEV)
+        meta = AttnMeta(
+            cu.to(DEV), max(ls), torch.zeros(T, dtype=torch.long), torch.zeros(T, dtype=torch.long)
+        )
+        ref = causal_attn_per_seq(q, k, v, cu, "cudnn")
+        out = batched(q, k, v, idx, b, L)
+        err = max(err, float((out.float() - ref.float()).norm() / ref.float().norm()))
+        P = functools.partial
+        fns = (P(causal_attn_per_seq, q, k, v, cu, "cudnn"), P(batched, q, k, v, idx, b, L),
+               P(prefill_varlen, q, k, v, meta))  # fmt: skip
+        for name, fn in zip(tot, fns, strict=True):
+            tot[name] += do_bench(fn, warmup=5, rep=20)
+    row(f"one layer's attention, the job's {len(lens)} batches", "ms (sum of do_bench medians)")
+    row("---", "---")
+    for name, ms in tot.items():
+        row(name, f"{ms:.1f}")
+    print(f"batched vs per-seq max rel err: {err:.1e}")
+
+    for rows_ in (33, 65536 // 2000):
+        h = torch.randn(rows_, c.hidden_size, device=DEV, dtype=DT)
+        w = torch.randn(-(-c.vocab_size // 128) * 128, c.hidden_size, device=DEV, dtype=DT) * 0.02 * 30
+        ref = h.float() @ w.float().t()
+        try:
+            f32 = functools.partial(torch.mm, h, w.t(), out_dtype=torch.float32)
+            a = f32()
+            g = torch.cuda.CUDAGraph()
+            out = torch.empty_like(a)
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                torch.mm(h, w.t(), out_dtype=torch.float32)
+            torch.cuda.current_stream().wait_stream(s)
+            with torch.cuda.graph(g):
+                out.copy_(torch.mm(h, w.t(), out_dtype=torch.float32))
+            g.replay()
+            torch.cuda.synchronize()
+            print(
+                f"rows {rows_}: mm out_dtype=float32 works; max abs err vs fp32 {float((a - ref).abs().max()):.3g} "
+                f"(bf16 product cast: {float((F.linear(h, w).float() - ref).abs().max()):.3g}); graph replay "
+                f"equal: {bool(torch.equal(out, a))}; ms {do_bench(f32):.3f}"
+                f" vs {do_bench(functools.partial(F.linear, h, w)):.3f} (bf16 out)"
+            )
+        except Exception as ex:  # noqa: BLE001
+            print(f"mm out_dtype: {type(ex).__name__}: {str(ex)[:300]}")
+
+
 def vit300() -> None:
     vit(presets=("internvl2_5-8b",), tuned=False)
 
@@ -528,6 +729,8 @@ if __name__ == "__main__":
     torch.manual_seed(0)
     {
         "ragged": ragged,
+        "swiglu": swiglu,
+        "padded": padded,
         "resid": resid,
         "decode": decode,
         "vit300": vit300,

@@ -1,16 +1,22 @@
 #!/usr/bin/env bash
 # The GPU runs that belong together, one step per device call (each bounded to fit one call's 600 s).
 # Usage on the device (after ../shared/tools/device-prep here; carry .whl and .data):
-#   bash bench/session.sh probe-dec|try-8b|ragged|fused|margins|parity|parity-e2e|parity38-e2e|e2e-both|final|probe-llm|probe-vit|parts|vit64-modes|e2e-cudnn|e2e-38b|e2e-8b-overlap|fp8|fp8-bench|fp8-e2e|attn-8b|e2e-8b-hf64|vit64|vit|e2e|e2e-fast|e2e-8b
+#   bash bench/session.sh s7-probe|probe-dec|try-8b|ragged|fused|margins|parity|parity-e2e|parity38-e2e|e2e-both|final|probe-llm|probe-vit|parts|vit64-modes|e2e-cudnn|e2e-38b|e2e-8b-overlap|fp8|fp8-bench|fp8-e2e|attn-8b|e2e-8b-hf64|vit64|vit|e2e|e2e-fast|e2e-8b
 # Full logs land in $OUT (when set); each step ends with the table to copy into bench/RESULTS.md.
 set -u
-what=${1:?probe-dec|try-8b|ragged|fused|margins|parity|parity-e2e|parity38-e2e|e2e-both|final|probe-llm|probe-vit|parts|vit64-modes|e2e-cudnn|e2e-38b|e2e-8b-overlap|fp8|fp8-bench|fp8-e2e|attn-8b|e2e-8b-hf64|vit64|vit|e2e|e2e-fast|e2e-8b}
+what=${1:?s7-probe|probe-dec|try-8b|ragged|fused|margins|parity|parity-e2e|parity38-e2e|e2e-both|final|probe-llm|probe-vit|parts|vit64-modes|e2e-cudnn|e2e-38b|e2e-8b-overlap|fp8|fp8-bench|fp8-e2e|attn-8b|e2e-8b-hf64|vit64|vit|e2e|e2e-fast|e2e-8b}
 out=${OUT:-/tmp}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
 case $what in
+s7-probe)  # parity of every fast path (logits now float32 from the GEMM on CUDA), then the MLP's gate/up GEMM with
+  # SiLU * up in a Triton epilogue vs cuBLAS + a pass, then batched padded cuDNN prefill attention vs per sequence
+  # and the float32-out lm_head product (~6 min)
+  timeout 200 python3 bench/gpu_parity.py 2>&1 | tee "$out/parity.log" | grep -E '^\||step|Error|error'
+  timeout 200 python3 bench/probe.py swiglu 2>&1 | tee "$out/probe_swiglu.log" | grep -E '^\||Error|error'
+  timeout 150 python3 bench/probe.py padded 2>&1 | tee "$out/probe_padded.log" | grep -E '^\||rows|err|Error' ;;
 margins)  # 38B parity only, with where bf16 greedy tokens leave fp32's (top-2 margins, padded lm_head or not)
   timeout 150 python3 bench/gpu_parity.py internvl2_5-38b 2>&1 | tee "$out/parity.log" | grep -E '^\||step|Error|error' ;;
 fused)  # parity of every fast path (now with the fused residual norm), then both encoders at 64 tiles: ours

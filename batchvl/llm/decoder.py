@@ -20,6 +20,24 @@ from batchvl.llm.attention import (
 from batchvl.llm.kv_cache import KVCache
 from batchvl.model.config import LLMConfig
 
+_MM_FLOAT_OUT: dict[torch.device, bool] = {}
+
+
+def mm_float_out_ok(h: torch.Tensor) -> bool:
+    """Whether `torch.mm(..., out_dtype=torch.float32)` runs for h (CUDA, bf16/fp16; the op is newer than some
+    torches). Probed once per device, outside any CUDA graph capture (during one: False until probed)."""
+    if not h.is_cuda or h.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if h.device not in _MM_FLOAT_OUT:
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        try:
+            a = torch.ones(2, 16, device=h.device, dtype=h.dtype)
+            _MM_FLOAT_OUT[h.device] = torch.mm(a, a.t(), out_dtype=torch.float32).dtype == torch.float32
+        except (RuntimeError, TypeError, NotImplementedError):
+            _MM_FLOAT_OUT[h.device] = False
+    return _MM_FLOAT_OUT[h.device]
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -179,8 +197,12 @@ class Decoder(nn.Module):
         self._head_padded = padded
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """h [T, hidden] -> [T, V] float32."""
+        """h [T, hidden] -> [T, V] float32. On CUDA the bf16/fp16 product is written in float32 straight from the
+        GEMM's accumulator (`mm_float_out`): rounding logits of magnitude ~100 to bf16 moves them by up to 0.5,
+        enough to flip a near-tie between the top two tokens."""
+        v = self.lm_head.weight.shape[0]
         padded = getattr(self, "_head_padded", None)
-        if padded is not None:
-            return F.linear(h, padded)[:, : self.lm_head.weight.shape[0]].float()  # [T, V_padded] -> [T, V]
-        return self.lm_head(h).float()
+        w = padded if padded is not None else self.lm_head.weight
+        if mm_float_out_ok(h):
+            return torch.mm(h, w.t(), out_dtype=torch.float32)[:, :v]  # [T, V_padded] -> [T, V]
+        return F.linear(h, w)[:, :v].float()
