@@ -198,8 +198,8 @@ class Decoder(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """h [T, hidden] -> [T, V] float32. On CUDA the bf16/fp16 product is written in float32 straight from the
-        GEMM's accumulator (`mm_float_out`): rounding logits of magnitude ~100 to bf16 moves them by up to 0.5,
-        enough to flip a near-tie between the top two tokens."""
+        GEMM's accumulator (`mm_float_out_ok`), at the bf16 product's cost: rounding logits to bf16 (spacing 0.125 at
+        16-32, 0.5 at 64-128) flipped near-ties between the top two tokens (bench/RESULTS.md, sessions 6-7)."""
         v = self.lm_head.weight.shape[0]
         padded = getattr(self, "_head_padded", None)
         w = padded if padded is not None else self.lm_head.weight
