@@ -15,8 +15,8 @@ plan); transformers gets a warm-up batch.
 from __future__ import annotations
 
 import argparse
-import gc
 import copy
+import gc
 import json
 import os
 import sys
