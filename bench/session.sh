@@ -1,16 +1,23 @@
 #!/usr/bin/env bash
 # The GPU runs that belong together, one step per device call (each bounded to fit one call's 600 s).
 # Usage on the device (after ../shared/tools/device-prep here; carry .whl and .data):
-#   bash bench/session.sh s7-vit|s7-e2e|s7-probe|probe-dec|try-8b|ragged|fused|margins|parity|parity-e2e|parity38-e2e|e2e-both|final|probe-llm|probe-vit|parts|vit64-modes|e2e-cudnn|e2e-38b|e2e-8b-overlap|fp8|fp8-bench|fp8-e2e|attn-8b|e2e-8b-hf64|vit64|vit|e2e|e2e-fast|e2e-8b
+#   bash bench/session.sh s7-cache|s7-38b|s7-vit|s7-e2e|s7-probe|probe-dec|try-8b|ragged|fused|margins|parity|parity-e2e|parity38-e2e|e2e-both|final|probe-llm|probe-vit|parts|vit64-modes|e2e-cudnn|e2e-38b|e2e-8b-overlap|fp8|fp8-bench|fp8-e2e|attn-8b|e2e-8b-hf64|vit64|vit|e2e|e2e-fast|e2e-8b
 # Full logs land in $OUT (when set); each step ends with the table to copy into bench/RESULTS.md.
 set -u
-what=${1:?s7-vit|s7-e2e|s7-probe|probe-dec|try-8b|ragged|fused|margins|parity|parity-e2e|parity38-e2e|e2e-both|final|probe-llm|probe-vit|parts|vit64-modes|e2e-cudnn|e2e-38b|e2e-8b-overlap|fp8|fp8-bench|fp8-e2e|attn-8b|e2e-8b-hf64|vit64|vit|e2e|e2e-fast|e2e-8b}
+what=${1:?s7-cache|s7-38b|s7-vit|s7-e2e|s7-probe|probe-dec|try-8b|ragged|fused|margins|parity|parity-e2e|parity38-e2e|e2e-both|final|probe-llm|probe-vit|parts|vit64-modes|e2e-cudnn|e2e-38b|e2e-8b-overlap|fp8|fp8-bench|fp8-e2e|attn-8b|e2e-8b-hf64|vit64|vit|e2e|e2e-fast|e2e-8b}
 out=${OUT:-/tmp}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
 case $what in
+s7-cache)  # the first half of s7-e2e again (its transformers run had hit OOM beside the last engine's KV arena;
+  # e2e.py now frees it first); run at 96cc05e as this command directly (~2 min)
+  timeout 330 python3 bench/e2e.py --n 500 --hf-n 32 --hf-batches 16 --modes cache,hf \
+    2>&1 | tee "$out/e2e_38b.log" | grep -E 'compiled|stages|graphs captured|greedy|^\||ceiling|RESULT|Error' ;;
+s7-38b)  # the 38B seed job without caches vs transformers b=16 (run at 96cc05e as this command directly, ~5 min)
+  timeout 340 python3 bench/e2e.py --n 500 --hf-n 32 --hf-batches 16 --modes nocache,hf 2>&1 \
+    | tee "$out/e2e_38b_nocache.log" | grep -E 'compiled|stages|graphs captured|windows|^\||ceiling|RESULT|Error' ;;
 s7-vit)  # issue 4's table with today's defaults (fused residual norm, exact buckets): both encoders at 16/64/128
   # tiles, ours eager / compiled vs transformers eager / compiled (~9 min)
   timeout 570 python3 bench/vit.py --batches 16,64,128 --mode default --hf-mode default --budget-s 490 \
