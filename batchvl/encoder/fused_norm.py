@@ -9,8 +9,8 @@ CUDA (or without Triton) the same op runs `residual_norm_reference`, the eager l
 Numerics: the norm reads x_new's fp32 sum, before it is rounded to the activation dtype for storage (as Inductor's
 kernel does; the eager layer normalizes the rounded x_new). On an H200 that left the full-depth error near the eager
 path's: 1.66e-2 (6B) / 1.28e-2 (300M) from fp32 against eager's 1.74e-2 / 1.30e-2 and 1.2e-2 / 9.7e-3 with Inductor's
-own kernels (bench/RESULTS.md, sessions 6-7), so most of that difference lies elsewhere. RMSNorm multiplies its weight after rounding the normalized row
-(`internvit.RMSNorm`). The CPU reference is the eager layer's sums.
+own kernels (bench/RESULTS.md, sessions 6-7), so most of that difference lies elsewhere. RMSNorm multiplies its
+weight after rounding the normalized row (`internvit.RMSNorm`). The CPU reference is the eager layer's sums.
 """
 
 from __future__ import annotations
