@@ -45,7 +45,7 @@ def divergence(eng16: Engine, eng32: Engine, reqs: list, got: list, want: list) 
         out, ref = [], None
         for e, unpad in ((eng32, False), (eng16, False), (eng16, True)):
             llm = e.model.llm
-            saved = getattr(llm, "_head_padded", None)
+            saved = llm._head_padded
             if unpad:
                 llm._head_padded = None  # lm_head.weight is a view of the same values
             with torch.inference_mode():
@@ -53,8 +53,8 @@ def divergence(eng16: Engine, eng32: Engine, reqs: list, got: list, want: list) 
                 lg = e._prefill([ids], feats, [0], None, extra=0)[0][0].float()
             llm._head_padded = saved
             top = lg.topk(2)
+            ref = lg if ref is None else ref  # the first engine is fp32
             dev = f"; max |logit - fp32's| {float((lg - ref).abs().max()):.3g}" if out else ""
-            ref = lg if not out else ref
             out.append(f"{top.indices.tolist()} margin {float(top.values[0] - top.values[1]):.3g}{dev}")
         return f"request {r} step {k}: fp32 top-2 {out[0]}; bf16 {out[1]}; bf16 unpadded lm_head {out[2]}"
     return "no divergence"

@@ -156,6 +156,7 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg)
+        self._head_padded: torch.Tensor | None = None  # lm_head rows padded in storage (`pad_vocab`)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -185,7 +186,7 @@ class Decoder(nn.Module):
         after the model's last `.to()`: the padded storage is a plain attribute, which `.to()` does not move."""
         w = self.lm_head.weight
         vp = -(-w.shape[0] // multiple) * multiple
-        if vp == w.shape[0] or getattr(self, "_head_padded", None) is not None:
+        if vp == w.shape[0] or self._head_padded is not None:
             return
         padded = torch.zeros(vp, w.shape[1], device=w.device, dtype=w.dtype)
         padded[: w.shape[0]] = w.detach()
@@ -201,8 +202,7 @@ class Decoder(nn.Module):
         GEMM's accumulator (`mm_float_out_ok`), at the bf16 product's cost: rounding logits to bf16 (spacing 0.125 at
         16-32, 0.5 at 64-128) flipped near-ties between the top two tokens (bench/RESULTS.md, sessions 6-7)."""
         v = self.lm_head.weight.shape[0]
-        padded = getattr(self, "_head_padded", None)
-        w = padded if padded is not None else self.lm_head.weight
+        w = self._head_padded if self._head_padded is not None else self.lm_head.weight
         if mm_float_out_ok(h):
             return torch.mm(h, w.t(), out_dtype=torch.float32)[:, :v]  # [T, V_padded] -> [T, V]
         return F.linear(h, w)[:, :v].float()
