@@ -15,6 +15,8 @@
     python bench/probe.py swiglu  # the MLP's gate/up GEMM with SiLU * up in a Triton epilogue vs cuBLAS + a pass
     python bench/probe.py padded  # LLM prefill attention: one batched cuDNN call over right-padded sequences vs
                                   # per sequence; fp32 logits from the bf16 GEMM (mm out_dtype)
+    python bench/probe.py cls     # ViT attention at T = 1025 vs 1024, and the CLS token out of the fused call
+    python bench/probe.py llm-layer  # one compiled 8B decoder layer over the seed job's first batch: its kernels
     python bench/probe.py vit300  # `vit` for the 300M encoder only, without the coordinate-descent pass
     python bench/probe.py llm   # 38B LLM (64 layers), 16 x 2000 tokens: prefill and 3 decode steps, eager vs
                                 # CUDA-graphed decode vs compiled layers
@@ -721,6 +723,127 @@ def padded() -> None:
             print(f"mm out_dtype: {type(ex).__name__}: {str(ex)[:300]}")
 
 
+def attn_lse(q, k, v, scale: float, backend: str):
+    """SDPA [B, H, T, D] with its log-sum-exp [B, H, T] (natural log of the scaled scores' exp-sum)."""
+    if backend == "cudnn":
+        o, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, False, False,
+                                                                    scale=scale)[:2]  # fmt: skip
+    else:
+        flash = torch.ops.aten._scaled_dot_product_flash_attention
+        o, lse = flash(q, k, v, 0.0, False, False, scale=scale)[:2]
+    return o, lse.reshape(q.shape[:3])
+
+
+def mix_plain(q, k, v, scale: float):
+    """q, k, v [B, T, H, D] -> [B, T, H*D]: SDPA over all T = 1 + N tokens (what the encoder does now)."""
+    B, T, H, D = q.shape
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale)
+    return o.transpose(1, 2).reshape(B, T, H * D)
+
+
+def mix_cls_split(q, k, v, scale: float, backend: str):
+    """The same as mix_plain with the N = 1024 patch tokens through the fused kernel alone (no 1-token tail
+    tile): the CLS key enters their softmax by the log-sum-exp merge, and the CLS query runs as a small product."""
+    B, T, H, D = q.shape
+    qp, kp, vp = (t[:, 1:].transpose(1, 2) for t in (q, k, v))  # [B, H, N, D]
+    o, lse = attn_lse(qp, kp, vp, scale, backend)  # [B, H, N, D], [B, H, N]
+    k0, v0 = k[:, :1].transpose(1, 2).float(), v[:, :1].transpose(1, 2).float()  # [B, H, 1, D]
+    s0 = (qp.float() * k0).sum(-1) * scale  # [B, H, N]: the CLS key's score for each patch query
+    a = torch.sigmoid(lse - s0)[..., None]  # share of the patches' softmax mass
+    op = o.float() * a + v0 * (1 - a)  # [B, H, N, D]
+    qc = q[:, :1].transpose(1, 2).float()  # [B, H, 1, D]
+    pc = torch.softmax((qc @ k.transpose(1, 2).float().transpose(-1, -2)) * scale, -1)  # [B, H, 1, T]
+    oc = pc @ v.transpose(1, 2).float()  # [B, H, 1, D]
+    out = torch.cat([oc, op], dim=2).to(q.dtype)  # [B, H, T, D]
+    return out.transpose(1, 2).reshape(B, T, H * D)
+
+
+def cls(tiles: int = 64) -> None:
+    """ViT attention at T = 1 + 1024: how much the one-token tail costs the fused kernels (T = 1025 vs 1024), and
+    whether taking the CLS token out of the fused call (log-sum-exp merge, `mix_cls_split`) pays end to end."""
+    from triton.testing import do_bench
+
+    for preset in ("internvl2_5-38b", "internvl2_5-8b"):
+        v_ = from_preset(preset).vision
+        B, H, D = tiles, v_.num_heads, v_.head_dim
+        scale = D**-0.5
+        print(f"\n## {preset} vision attention, {tiles} tiles, {H} heads x {D}\n")
+        row("SDPA alone (q, k, v views of [B, T, 3, H, D])", "cudnn ms", "flash ms", "cudnn TFLOP/s")
+        row(*["---"] * 4)
+        for tq, tk in ((1025, 1025), (1024, 1024), (1024, 1025), (1025, 1024)):
+            qkv = torch.randn(B, max(tq, tk), 3, H, D, device=DEV, dtype=DT)
+            q, k, v = (qkv[:, :t, i].transpose(1, 2) for i, t in ((0, tq), (1, tk), (2, tk)))
+            ms = {}
+            for be in ("cudnn", "flash"):
+                with sdpa_context(be, DEV):
+                    ms[be] = do_bench(lambda q=q, k=k, v=v, s=scale: F.scaled_dot_product_attention(q, k, v, scale=s),
+                                      return_mode="median")  # fmt: skip
+            row(f"Tq {tq}, Tk {tk}", f"{ms['cudnn']:.3f}", f"{ms['flash']:.3f}",
+                f"{4 * B * H * tq * tk * D / ms['cudnn'] / 1e9:.0f}")  # fmt: skip
+        T = 1025
+        qkv = torch.randn(B, T, 3, H, D, device=DEV, dtype=DT)
+        q, k, v = qkv.unbind(2)  # [B, T, H, D] views
+        ref = mix_plain(q.float(), k.float(), v.float(), scale)  # fp32 math
+        print()
+        row("attention mix [B, T, 3, H, D] -> [B, T, C], compiled", "ms", "rel err vs fp32")
+        row(*["---"] * 3)
+        for name, fn in (
+            ("plain, cudnn", functools.partial(mix_plain, scale=scale)),
+            ("CLS split, cudnn", functools.partial(mix_cls_split, scale=scale, backend="cudnn")),
+            ("CLS split, flash", functools.partial(mix_cls_split, scale=scale, backend="flash")),
+        ):
+            try:
+                cf = torch.compile(fn, fullgraph=True)
+                with sdpa_context("cudnn", DEV), torch.inference_mode():
+                    out = cf(q, k, v)
+                    err = float((out.float() - ref).norm() / ref.norm())
+                    ms = do_bench(lambda cf=cf, q=q, k=k, v=v: cf(q, k, v), return_mode="median")
+                row(name, f"{ms:.3f}", f"{err:.2e}")
+            except Exception as ex:  # noqa: BLE001
+                row(name, f"{type(ex).__name__}: {str(ex)[:200]}", "-")
+        torch._dynamo.reset()
+
+
+def llm_layer(preset: str = "internvl2_5-8b") -> None:
+    """One compiled decoder layer over the seed job's first 64k-token batch, as the engine runs prefill (per-sequence
+    cuDNN attention, KV cache written): ms per call and its kernels (where the time beside the GEMMs goes)."""
+    from e2e import batches, prepare
+
+    from batchvl.engine import packed_meta
+    from batchvl.llm.attention import warm_per_seq
+    from batchvl.llm.decoder import DecoderLayer, Rotary
+    from batchvl.llm.kv_cache import KVCache
+
+    c = from_preset(preset).llm
+    prepared = prepare(500, 8192)
+    lens = [len(prepared[i].input_ids) for i in batches(prepared, 65536)[0]]
+    torch.manual_seed(0)
+    with torch.device(DEV):
+        layer = DecoderLayer(c).to(DT).eval().requires_grad_(False)
+        rot = Rotary(c)
+    rot.reset(DEV)
+    for p in layer.parameters():
+        p.data.normal_(0.0, 0.02) if p.ndim > 1 else p.data.normal_(1.0, 0.02)
+    pos, meta = packed_meta(lens, [0] * len(lens), DEV)
+    meta.per_seq = True
+    layer.attn.backend = "auto"
+    cache = KVCache(1, 40, -(-(max(lens) + 4) // 128) * 128, c.num_kv_heads, c.head_dim, DEV, DT)
+    x = torch.randn(sum(lens), c.hidden_size, device=DEV, dtype=DT)
+    cos, sin = rot(pos)
+    warm_per_seq(lens, c.num_heads, c.num_kv_heads, c.head_dim, DEV, DT)
+    layer.compile(dynamic=True)
+    f = lambda: layer(x, cos, sin, meta, cache.layer(0))  # noqa: E731
+    with torch.inference_mode():
+        f()
+        ms = bench_ms(f, DEV, warmup=3, rep=20)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            f()
+            torch.cuda.synchronize()
+    T = sum(lens)
+    print(f"## {preset} decoder layer, {len(lens)} sequences, {T} tokens: {ms:.3f} ms per layer (do_bench)\n")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=100))
+
+
 def vit300() -> None:
     vit(presets=("internvl2_5-8b",), tuned=False)
 
@@ -728,6 +851,8 @@ def vit300() -> None:
 if __name__ == "__main__":
     torch.manual_seed(0)
     {
+        "cls": cls,
+        "llm-layer": llm_layer,
         "ragged": ragged,
         "swiglu": swiglu,
         "padded": padded,
