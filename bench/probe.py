@@ -17,6 +17,7 @@
                                   # per sequence; fp32 logits from the bf16 GEMM (mm out_dtype)
     python bench/probe.py cls     # ViT attention at T = 1025 vs 1024, and the CLS token out of the fused call
     python bench/probe.py llm-layer  # one compiled 8B decoder layer over the seed job's first batch: its kernels
+    python bench/probe.py perseq  # per-sequence cuDNN prefill attention: a copy per sequence vs one cat (8B batch)
     python bench/probe.py vit300  # `vit` for the 300M encoder only, without the coordinate-descent pass
     python bench/probe.py llm   # 38B LLM (64 layers), 16 x 2000 tokens: prefill and 3 decode steps, eager vs
                                 # CUDA-graphed decode vs compiled layers
@@ -844,6 +845,58 @@ def llm_layer(preset: str = "internvl2_5-8b") -> None:
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=100))
 
 
+def per_seq_variant(q, k, v, cu: list[int], how: str):
+    """`causal_attn_per_seq` rewritten three ways (how: "cat" gathers the window outputs with one cat instead of
+    a copy per sequence; "cat-view" also leaves v as the strided view of qkv; "calls" only makes the SDPA calls)."""
+    T = q.shape[0]
+    if how == "cat":
+        v = v.contiguous()
+    outs = []
+    with sdpa_context("cudnn", q.device):
+        for s, e in zip(cu[:-1], cu[1:], strict=True):
+            n, w = e - s, -(-(e - s) // 64) * 64
+            rows = [t[s : s + w] for t in (q, k, v)]
+            if s + w > T:
+                rows = [F.pad(r, (0, 0, 0, 0, 0, s + w - T)) for r in rows]
+            qs, ks, vs = (r.transpose(0, 1)[None] for r in rows)
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+            outs.append(o[0, :, :n].transpose(0, 1))
+    return outs if how == "calls" else torch.cat(outs)
+
+
+def perseq(preset: str = "internvl2_5-8b") -> None:
+    """Per-sequence cuDNN prefill attention over the seed job's first batch: the op as is (a copy per sequence into
+    the output, v made contiguous) vs one cat of the window outputs, vs that with v left a view of qkv, vs the SDPA
+    calls alone (no gathering); wall-clock per call (do_bench), outputs compared with the op's."""
+    from e2e import batches, prepare
+
+    from batchvl.llm.attention import causal_attn_per_seq
+
+    c = from_preset(preset).llm
+    prepared = prepare(500, 8192)
+    lens = [len(prepared[i].input_ids) for i in batches(prepared, 65536)[0]]
+    T, H, Hkv, D = sum(lens), c.num_heads, c.num_kv_heads, c.head_dim
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    qkv = torch.randn(T, (H + 2 * Hkv) * D, device=DEV, dtype=DT)
+    q = torch.randn(T, H, D, device=DEV, dtype=DT)
+    k = torch.randn(T, Hkv, D, device=DEV, dtype=DT)
+    v = qkv[:, (H + Hkv) * D :].view(T, Hkv, D)
+    cu_t = torch.tensor(cu, dtype=torch.int32)
+    with torch.inference_mode():
+        ref = causal_attn_per_seq(q, k, v, cu_t, "cudnn")
+        print(f"## {preset}: {len(lens)} sequences, {T} tokens, {H}/{Hkv} heads x {D}\n")
+        row("per-sequence cuDNN prefill attention", "ms (do_bench)", "max abs diff vs the op")
+        row(*["---"] * 3)
+        row("the op (copy per sequence, v contiguous)",
+            f"{bench_ms(lambda: causal_attn_per_seq(q, k, v, cu_t, 'cudnn'), DEV):.3f}", "0")  # fmt: skip
+        for how in ("cat", "cat-view", "calls"):
+            out = per_seq_variant(q, k, v, cu, how)
+            diff = "-" if how == "calls" else f"{float((out - ref).abs().max()):.1e}"
+            row(how, f"{bench_ms(lambda how=how: per_seq_variant(q, k, v, cu, how), DEV):.3f}", diff)
+
+
 def vit300() -> None:
     vit(presets=("internvl2_5-8b",), tuned=False)
 
@@ -852,6 +905,7 @@ if __name__ == "__main__":
     torch.manual_seed(0)
     {
         "cls": cls,
+        "perseq": perseq,
         "llm-layer": llm_layer,
         "ragged": ragged,
         "swiglu": swiglu,
