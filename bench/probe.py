@@ -835,7 +835,12 @@ def llm_layer(preset: str = "internvl2_5-8b") -> None:
     layer.compile(dynamic=True)
     f = lambda: layer(x, cos, sin, meta, cache.layer(0))  # noqa: E731
     with torch.inference_mode():
-        f()
+        from torch._inductor.utils import run_and_get_code
+
+        _, codes = run_and_get_code(f)
+        for line in "\n".join(codes).splitlines():  # the compiled graph's copies and extern calls
+            if any(k in line for k in ("copy_", "clone", "extern_kernels", "torch.ops.")) and "import" not in line:
+                print("  code:", line.strip()[:160])
         ms = bench_ms(f, DEV, warmup=3, rep=20)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             f()
@@ -843,6 +848,14 @@ def llm_layer(preset: str = "internvl2_5-8b") -> None:
     T = sum(lens)
     print(f"## {preset} decoder layer, {len(lens)} sequences, {T} tokens: {ms:.3f} ms per layer (do_bench)\n")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=100))
+    # which host ops launch the device-to-device copies (shapes of their inputs)
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.inference_mode(), torch.profiler.profile(activities=acts, record_shapes=True) as prof:
+        f()
+        torch.cuda.synchronize()
+    for e in prof.key_averages(group_by_input_shape=True):
+        if any(k in e.key for k in ("copy", "clone", "pad", "cat", "contiguous", "index_put", "Memcpy")):
+            print(f"{e.key[:60]:60s} calls {e.count:4d} shapes {str(e.input_shapes)[:150]}")
 
 
 def per_seq_variant(q, k, v, cu: list[int], how: str):
