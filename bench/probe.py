@@ -839,7 +839,10 @@ def llm_layer(preset: str = "internvl2_5-8b") -> None:
 
         _, codes = run_and_get_code(f)
         for line in "\n".join(codes).splitlines():  # the compiled graph's copies and extern calls
-            if any(k in line for k in ("copy_", "clone", "extern_kernels", "torch.ops.")) and "import" not in line:
+            if (
+                any(k in line for k in ("copy_", "clone", "extern_kernels", "torch.ops."))
+                and "import" not in line
+            ):
                 print("  code:", line.strip()[:160])
         ms = bench_ms(f, DEV, warmup=3, rep=20)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
