@@ -39,16 +39,6 @@ def mm_float_out_ok(h: torch.Tensor) -> bool:
     return _MM_FLOAT_OUT[h.device]
 
 
-def residual_add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """x + y, rounded once to x's dtype, as a bf16 add computes it. Written through float32 so that Inductor does not
-    rewrite `x + mm(...)` into `addmm(x, ...)`: for a [T, hidden] x, CUDA's addmm first copies x into its output
-    (a memcpy), then reads it back as the GEMM's C (free in a compute-bound GEMM). Used where a norm follows in the
-    same graph, so the add rides in the norm's kernel: one compiled 8B layer on an H200 (65k tokens) ran that norm
-    in 0.369 ms against 0.306 + a 0.25 ms copy (`bench/probe.py llm-layer`). The layer's last add stays an addmm:
-    alone it costs more as a kernel (read x and y, write the sum: 0.479 ms) than as the copy."""
-    return (x.float() + y.float()).to(x.dtype)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -153,7 +143,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, cos, sin, meta, kv):
-        x = residual_add(x, self.attn(self.input_norm(x), cos, sin, meta, kv))
+        # compiled on CUDA, Inductor makes both adds an addmm, which first copies x (0.25 ms a layer at 8B, 65k tokens);
+        # adds kept out of it cost about as much in the norm kernels (bench/RESULTS.md, session 8), so they stay
+        x = x + self.attn(self.input_norm(x), cos, sin, meta, kv)
         return x + self.mlp(self.post_attn_norm(x))
 
 
