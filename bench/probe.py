@@ -726,7 +726,10 @@ def padded() -> None:
 
 def attn_lse(q, k, v, scale: float, backend: str):
     """SDPA [B, H, T, D] with its log-sum-exp [B, H, T] (natural log of the scaled scores' exp-sum)."""
-    if backend == "cudnn":
+    if not q.is_cuda:  # CPU (the test): the same merge over the CPU flash kernel's log-sum-exp
+        cpu_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        o, lse = cpu_flash(q, k, v, 0.0, False, scale=scale)[:2]
+    elif backend == "cudnn":
         o, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, False, False,
                                                                     scale=scale)[:2]  # fmt: skip
     else:

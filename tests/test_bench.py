@@ -69,3 +69,22 @@ def test_probe_swiglu_kernel_in_the_interpreter():
         [sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, timeout=300
     )
     assert p.returncode == 0 and "ok" in p.stdout, p.stderr[-3000:]
+
+
+def test_probe_cls_split_equals_plain_attention():
+    """`probe.py cls` times the ViT attention with the CLS key merged in by its log-sum-exp and the CLS query apart:
+    on CPU (fp32, the CPU flash kernel's lse) it equals plain SDPA over all 1 + N tokens."""
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import torch
+        from probe import mix_cls_split, mix_plain
+    finally:
+        sys.path.pop(0)
+    torch.manual_seed(0)
+    B, T, H, D = 2, 1 + 16, 3, 8
+    q, k, v = torch.randn(B, T, 3, H, D).unbind(2)  # [B, T, H, D] views, as in the encoder
+    k = k * 3  # a spread of scores, so the CLS key's weight is far from uniform
+    want = mix_plain(q, k, v, D**-0.5)
+    got = mix_cls_split(q, k, v, D**-0.5, "cudnn")
+    assert got.shape == want.shape == (B, T, H * D)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
