@@ -11,10 +11,10 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
 case $what in
-s8-resid2)  # one compiled 8B layer with only the attention residual unfused (~2 min)
+s8-resid2)  # one compiled 8B layer with only the attention residual unfused (~2 min; run at 6114fd8, since reverted)
   timeout 150 python3 bench/probe.py llm-layer 2>&1 | tee "$out/probe_llm_layer.log" | grep -vE "code:|Warning|warn" | grep -E "^##|nvjet|Memcpy|triton|cudnn|Cat" ;;
-s8-resid)  # after the residual adds left addmm: one compiled 8B layer's kernels, GPU parity of every fast path, then
-  # the 8B seed job without caches vs transformers b=32 (~7 min)
+s8-resid)  # after the residual adds left addmm (run at 97a0661, since reverted): one compiled 8B layer's kernels, GPU
+  # parity of every fast path, then the 8B seed job without caches vs transformers b=32 (~7 min)
   timeout 120 python3 bench/probe.py llm-layer 2>&1 | tee "$out/probe_llm_layer.log" | grep -vE 'code:|Warning|warn' | grep -E '^##|nvjet|Memcpy|triton|cudnn|Cat'
   timeout 200 python3 bench/gpu_parity.py 2>&1 | tee "$out/parity.log" | grep -E '^\||step|Error|error'
   timeout 330 python3 bench/e2e.py --preset internvl2_5-8b --n 500 --hf-n 64 --hf-batches 32 --budget 65536 \
@@ -26,7 +26,7 @@ s8-e2e)  # one compiled 8B decoder layer's kernels (one cat per prefill, v conti
   timeout 120 python3 bench/probe.py llm-layer 2>&1 | tee "$out/probe_llm_layer.log" | grep -vE 'Warning|warn' | tail -30
   timeout 400 python3 bench/e2e.py --preset internvl2_5-8b --n 500 --hf-n 64 --hf-batches 32 --budget 65536 \
     --modes nocache,hf 2>&1 | tee "$out/e2e_8b.log" | grep -E 'compiled|stages|graphs captured|windows|^\||ceiling|RESULT|Error' ;;
-s8-38b)  # the 38B seed job without caches vs transformers b=16 (~5 min)
+s8-38b)  # the 38B seed job without caches vs transformers b=16 (~5 min; not run in session 8: device time spent)
   timeout 400 python3 bench/e2e.py --n 500 --hf-n 32 --hf-batches 16 --modes nocache,hf 2>&1 \
     | tee "$out/e2e_38b_nocache.log" | grep -E 'compiled|stages|graphs captured|windows|^\||ceiling|RESULT|Error' ;;
 s8-perseq)  # per-sequence cuDNN prefill attention over the 8B job's first batch: a copy per sequence vs one cat (~1 min)

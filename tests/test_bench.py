@@ -74,9 +74,10 @@ def test_probe_swiglu_kernel_in_the_interpreter():
 def test_probe_cls_split_equals_plain_attention():
     """`probe.py cls` times the ViT attention with the CLS key merged in by its log-sum-exp and the CLS query apart:
     on CPU (fp32, the CPU flash kernel's lse) it equals plain SDPA over all 1 + N tokens."""
+    import torch
+
     sys.path.insert(0, str(REPO / "bench"))
     try:
-        import torch
         from probe import mix_cls_split, mix_plain
     finally:
         sys.path.pop(0)

@@ -143,8 +143,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, cos, sin, meta, kv):
-        # compiled on CUDA, Inductor makes both adds an addmm, which first copies x (0.25 ms a layer at 8B, 65k tokens);
-        # adds kept out of it cost about as much in the norm kernels (bench/RESULTS.md, session 8), so they stay
+        # compiled on CUDA, Inductor makes each add an addmm, which first copies x (0.25 ms each at 8B, 65k tokens);
+        # adds kept out of addmm cost about as much in the norm kernels (bench/RESULTS.md, session 8), so they stay
         x = x + self.attn(self.input_norm(x), cos, sin, meta, kv)
         return x + self.mlp(self.post_attn_norm(x))
 
