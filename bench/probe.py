@@ -18,6 +18,7 @@
     python bench/probe.py cls     # ViT attention at T = 1025 vs 1024, and the CLS token out of the fused call
     python bench/probe.py llm-layer  # one compiled 8B decoder layer over the seed job's first batch: its kernels
     python bench/probe.py perseq  # per-sequence cuDNN prefill attention: a copy per sequence vs one cat (8B batch)
+    python bench/probe.py tma     # a persistent TMA Triton GEMM vs cuBLAS, plain and with the residual epilogue
     python bench/probe.py vit300  # `vit` for the 300M encoder only, without the coordinate-descent pass
     python bench/probe.py llm   # 38B LLM (64 layers), 16 x 2000 tokens: prefill and 3 decode steps, eager vs
                                 # CUDA-graphed decode vs compiled layers
@@ -916,6 +917,122 @@ def perseq(preset: str = "internvl2_5-8b") -> None:
             row(how, f"{bench_ms(lambda how=how: per_seq_variant(q, k, v, cu, how), DEV):.3f}", diff)
 
 
+# --------------------------------------------------------------------------- a persistent TMA GEMM (probe.py tma)
+# The open question behind both remaining targets: can a Triton GEMM run at cuBLAS speed at these shapes, so that
+# the residual / layer-scale / activation passes could live in its epilogue? Session 7's plain-pointer kernel ran
+# at ~81% of cuBLAS. This one is persistent (one program per SM walking the output tiles in grouped order) and
+# loads its tiles with TMA (device-side tensor descriptors), as Triton's persistent-matmul tutorial does on Hopper.
+# EPI: 0 writes the product; 1 writes R + LS * (product + BIAS) (the ViT's residual with its layer scale).
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_stages, num_warps)
+TMA_CONFIGS = [
+    (128, 256, 64, 8, 3, 8),
+    (128, 256, 64, 8, 4, 8),
+    (128, 128, 64, 8, 4, 8),
+    (128, 128, 64, 8, 5, 4),
+    (256, 128, 64, 8, 3, 8),
+    (128, 128, 128, 8, 3, 8),
+]
+
+if triton is not None:
+
+    @triton.jit
+    def _mm_tma_kernel(
+        A, B, C, R, LS, BIAS, M, N, K,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+        NUM_SMS: tl.constexpr, EPI: tl.constexpr,
+    ):  # fmt: skip
+        a_desc = tl.make_tensor_descriptor(A, shape=[M, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
+        b_desc = tl.make_tensor_descriptor(B, shape=[N, K], strides=[K, 1], block_shape=[BLOCK_N, BLOCK_K])
+        c_desc = tl.make_tensor_descriptor(C, shape=[M, N], strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N])
+        r_desc = tl.make_tensor_descriptor(R, shape=[M, N], strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N])
+        n_m, n_n, k_tiles = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), tl.cdiv(K, BLOCK_K)
+        per_group = GROUP_M * n_n
+        for tile in tl.range(tl.program_id(0), n_m * n_n, NUM_SMS, flatten=True):
+            first_m = (tile // per_group) * GROUP_M
+            size_m = min(n_m - first_m, GROUP_M)
+            pid_m = first_m + (tile % per_group) % size_m
+            pid_n = (tile % per_group) // size_m
+            om, on = pid_m * BLOCK_M, pid_n * BLOCK_N
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for kk in range(k_tiles):
+                a = a_desc.load([om, kk * BLOCK_K])  # [BLOCK_M, BLOCK_K]
+                b = b_desc.load([on, kk * BLOCK_K])  # [BLOCK_N, BLOCK_K]: rows of the [N, K] weight
+                acc = tl.dot(a, b.T, acc)
+            if EPI == 1:
+                cols = on + tl.arange(0, BLOCK_N)
+                ls = tl.load(LS + cols, mask=cols < N, other=0.0).to(tl.float32)
+                bias = tl.load(BIAS + cols, mask=cols < N, other=0.0).to(tl.float32)
+                acc = r_desc.load([om, on]).to(tl.float32) + ls[None, :] * (acc + bias[None, :])
+            c_desc.store([om, on], acc.to(C.dtype.element_ty))
+
+
+def mm_tma(a, w, cfg, resid=None, ls=None, bias=None, num_sms: int | None = None):
+    """a [M, K] @ w[N, K]^T through `_mm_tma_kernel`; with resid/ls/bias: resid + ls * (a @ w^T + bias)."""
+    bm, bn, bk, gm, stages, warps = cfg
+    M, K = a.shape
+    N = w.shape[0]
+    out = torch.empty(M, N, device=a.device, dtype=a.dtype)
+    if a.is_cuda:  # device-side descriptors need scratch memory
+        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=a.device))
+    sms = num_sms or (torch.cuda.get_device_properties(a.device).multi_processor_count if a.is_cuda else 4)
+    epi = resid is not None
+    n_tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    _mm_tma_kernel[(min(sms, n_tiles),)](
+        a, w, out, resid if epi else out, ls if epi else out, bias if epi else out, M, N, K,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, NUM_SMS=min(sms, n_tiles), EPI=int(epi),
+        num_stages=stages, num_warps=warps,
+    )  # fmt: skip
+    return out
+
+
+def tma() -> None:
+    """The persistent TMA GEMM against cuBLAS at the ViT's and the 8B LLM's shapes, plain and with the residual +
+    layer-scale epilogue (against cuBLAS + the compiled residual kernel). Ratios to cuBLAS; best config per shape."""
+    from triton.testing import do_bench
+
+    shapes = {  # name: (M, K, N)
+        "6B proj": (64 * 1025, 3200, 3200),
+        "6B qkv": (64 * 1025, 3200, 9600),
+        "6B fc2": (64 * 1025, 12800, 3200),
+        "300M fc2": (64 * 1025, 4096, 1024),
+        "8B down": (65210, 14336, 4096),
+    }
+    resid_add = torch.compile(lambda r, ls, y, b: r + ls * (y + b))
+    row("shape (M, K -> N)", "cuBLAS ms (TFLOP/s)", "best TMA ms (TFLOP/s)", "x cuBLAS", "config",
+        "cuBLAS + residual pass ms", "TMA + residual epilogue ms", "x", "rel err")  # fmt: skip
+    row(*["---"] * 9)
+    for name, (M, K, N) in shapes.items():
+        a = torch.randn(M, K, device=DEV, dtype=DT)
+        w = torch.randn(N, K, device=DEV, dtype=DT) * 0.02
+        r = torch.randn(M, N, device=DEV, dtype=DT)
+        ls, b = torch.rand(N, device=DEV, dtype=DT) * 0.1, torch.randn(N, device=DEV, dtype=DT) * 0.02
+        fl = 2 * M * K * N / 1e9
+        ms_cublas = do_bench(lambda a=a, w=w: F.linear(a, w), return_mode="median")
+        best = (float("inf"), None)
+        for cfg in TMA_CONFIGS:
+            try:
+                mm_tma(a, w, cfg)
+                ms = do_bench(lambda a=a, w=w, cfg=cfg: mm_tma(a, w, cfg), return_mode="median")
+                best = min(best, (ms, cfg), key=lambda t: t[0])
+            except Exception as ex:  # noqa: BLE001
+                print(f"  {name} {cfg}: {type(ex).__name__}: {str(ex)[:200]}")
+        if best[1] is None:
+            continue
+        ref = resid_add(r, ls, F.linear(a, w), b)
+        ms_ref = do_bench(
+            lambda a=a, w=w, r=r, ls=ls, b=b: resid_add(r, ls, F.linear(a, w), b), return_mode="median"
+        )
+        got = mm_tma(a, w, best[1], r, ls, b)
+        ms_epi = do_bench(
+            lambda a=a, w=w, r=r, ls=ls, b=b, c=best[1]: mm_tma(a, w, c, r, ls, b), return_mode="median"
+        )
+        err = float((got.float() - ref.float()).norm() / ref.float().norm())
+        row(f"{name} ({M}, {K} -> {N})", f"{ms_cublas:.3f} ({fl / ms_cublas:.0f})", f"{best[0]:.3f} "
+            f"({fl / best[0]:.0f})", f"{ms_cublas / best[0]:.3f}", best[1], f"{ms_ref:.3f}", f"{ms_epi:.3f}",
+            f"{ms_ref / ms_epi:.3f}", f"{err:.1e}")  # fmt: skip
+
+
 def vit300() -> None:
     vit(presets=("internvl2_5-8b",), tuned=False)
 
@@ -924,6 +1041,7 @@ if __name__ == "__main__":
     torch.manual_seed(0)
     {
         "cls": cls,
+        "tma": tma,
         "perseq": perseq,
         "llm-layer": llm_layer,
         "ragged": ragged,

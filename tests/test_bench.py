@@ -89,3 +89,33 @@ def test_probe_cls_split_equals_plain_attention():
     got = mix_cls_split(q, k, v, D**-0.5, "cudnn")
     assert got.shape == want.shape == (B, T, H * D)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_probe_tma_gemm_in_the_interpreter():
+    """The persistent TMA GEMM `probe.py tma` times (TRITON_INTERPRET=1 runs it on CPU): equal to the product, and
+    with its epilogue to resid + ls * (product + bias), fp32 tightly and fp16 within fp16's rounding; M and N not
+    multiples of the tiles, and fewer programs than tiles (each walks several)."""
+    pytest.importorskip("triton")
+    code = textwrap.dedent(
+        """
+        import sys, torch
+        sys.path.insert(0, "bench")
+        from probe import mm_tma
+        torch.manual_seed(0)
+        cfg = (32, 16, 32, 2, 1, 4)
+        for dt, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
+            a, w = torch.randn(70, 64).to(dt), (0.1 * torch.randn(48, 64)).to(dt)
+            r, ls, b = torch.randn(70, 48).to(dt), torch.rand(48).to(dt), torch.randn(48).to(dt)
+            prod = a.float() @ w.float().t()
+            for got, ref in ((mm_tma(a, w, cfg, num_sms=3), prod),
+                             (mm_tma(a, w, cfg, r, ls, b, num_sms=3), r.float() + ls.float() * (prod + b.float()))):
+                err = float((got.float() - ref).norm() / ref.norm())
+                assert got.shape == (70, 48) and err < tol, (dt, err)
+        print("ok")
+        """
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    p = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert p.returncode == 0 and "ok" in p.stdout, p.stderr[-3000:]
