@@ -919,10 +919,12 @@ def perseq(preset: str = "internvl2_5-8b") -> None:
 
 # --------------------------------------------------------------------------- a persistent TMA GEMM (probe.py tma)
 # The open question behind both remaining targets: can a Triton GEMM run at cuBLAS speed at these shapes, so that
-# the residual / layer-scale / activation passes could live in its epilogue? Session 7's plain-pointer kernel ran
+# the residual / layer-scale / activation passes could live in its epilogue, and the norm in the next GEMM's prologue? Session 7's plain-pointer kernel ran
 # at ~81% of cuBLAS. This one is persistent (one program per SM walking the output tiles in grouped order) and
 # loads its tiles with TMA (device-side tensor descriptors), as Triton's persistent-matmul tutorial does on Hopper.
 # EPI: 0 writes the product; 1 writes R + LS * (product + BIAS) (the ViT's residual with its layer scale).
+# PRO: 1 normalizes each A tile on its way in, a * RSTD[row] * NW[col] rounded to A's dtype (an RMSNorm whose row
+# statistics came from the previous epilogue), so the norm's output is never written.
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_stages, num_warps)
 TMA_CONFIGS = [
@@ -938,9 +940,9 @@ if triton is not None:
 
     @triton.jit
     def _mm_tma_kernel(
-        A, B, C, R, LS, BIAS, M, N, K,
+        A, B, C, R, LS, BIAS, RSTD, NW, M, N, K,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-        NUM_SMS: tl.constexpr, EPI: tl.constexpr,
+        NUM_SMS: tl.constexpr, EPI: tl.constexpr, PRO: tl.constexpr,
     ):  # fmt: skip
         a_desc = tl.make_tensor_descriptor(A, shape=[M, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
         b_desc = tl.make_tensor_descriptor(B, shape=[N, K], strides=[K, 1], block_shape=[BLOCK_N, BLOCK_K])
@@ -955,8 +957,15 @@ if triton is not None:
             pid_n = (tile % per_group) // size_m
             om, on = pid_m * BLOCK_M, pid_n * BLOCK_N
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            if PRO == 1:
+                rows = om + tl.arange(0, BLOCK_M)
+                rstd = tl.load(RSTD + rows, mask=rows < M, other=0.0)
             for kk in range(k_tiles):
                 a = a_desc.load([om, kk * BLOCK_K])  # [BLOCK_M, BLOCK_K]
+                if PRO == 1:
+                    ks = kk * BLOCK_K + tl.arange(0, BLOCK_K)
+                    nw = tl.load(NW + ks, mask=ks < K, other=0.0).to(tl.float32)
+                    a = (a.to(tl.float32) * rstd[:, None] * nw[None, :]).to(A.dtype.element_ty)
                 b = b_desc.load([on, kk * BLOCK_K])  # [BLOCK_N, BLOCK_K]: rows of the [N, K] weight
                 acc = tl.dot(a, b.T, acc)
             if EPI == 1:
@@ -967,8 +976,9 @@ if triton is not None:
             c_desc.store([om, on], acc.to(C.dtype.element_ty))
 
 
-def mm_tma(a, w, cfg, resid=None, ls=None, bias=None, num_sms: int | None = None):
-    """a [M, K] @ w[N, K]^T through `_mm_tma_kernel`; with resid/ls/bias: resid + ls * (a @ w^T + bias)."""
+def mm_tma(a, w, cfg, resid=None, ls=None, bias=None, num_sms: int | None = None, rstd=None, nw=None):
+    """a [M, K] @ w[N, K]^T through `_mm_tma_kernel`; with resid/ls/bias: resid + ls * (a @ w^T + bias); with
+    rstd [M] (fp32) and nw [K]: a is first normalized, a * rstd[:, None] * nw (rounded to a's dtype)."""
     bm, bn, bk, gm, stages, warps = cfg
     M, K = a.shape
     N = w.shape[0]
@@ -979,29 +989,34 @@ def mm_tma(a, w, cfg, resid=None, ls=None, bias=None, num_sms: int | None = None
     epi = resid is not None
     n_tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
     _mm_tma_kernel[(min(sms, n_tiles),)](
-        a, w, out, resid if epi else out, ls if epi else out, bias if epi else out, M, N, K,
+        a, w, out, resid if epi else out, ls if epi else out, bias if epi else out,
+        rstd if rstd is not None else out, nw if nw is not None else out, M, N, K,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, NUM_SMS=min(sms, n_tiles), EPI=int(epi),
+        PRO=int(rstd is not None),
         num_stages=stages, num_warps=warps,
     )  # fmt: skip
     return out
 
 
-def tma() -> None:
-    """The persistent TMA GEMM against cuBLAS at the ViT's and the 8B LLM's shapes, plain and with the residual +
-    layer-scale epilogue (against cuBLAS + the compiled residual kernel). Ratios to cuBLAS; best config per shape."""
+def tma(shapes: dict[str, tuple[int, int, int]] | None = None) -> None:
+    """The persistent TMA GEMM against cuBLAS at the ViT's and the 8B LLM's shapes: plain; with the residual +
+    layer-scale epilogue (against cuBLAS + the compiled residual kernel); with the RMSNorm prologue (against cuBLAS
+    on the already normalized input, which the norm pass had to write). Best config per shape (of the plain GEMM)."""
     from triton.testing import do_bench
 
-    shapes = {  # name: (M, K, N)
+    shapes = shapes or {  # name: (M, K, N)
         "6B proj": (64 * 1025, 3200, 3200),
         "6B qkv": (64 * 1025, 3200, 9600),
+        "6B fc1": (64 * 1025, 3200, 12800),
         "6B fc2": (64 * 1025, 12800, 3200),
         "300M fc2": (64 * 1025, 4096, 1024),
         "8B down": (65210, 14336, 4096),
     }
     resid_add = torch.compile(lambda r, ls, y, b: r + ls * (y + b))
     row("shape (M, K -> N)", "cuBLAS ms (TFLOP/s)", "best TMA ms (TFLOP/s)", "x cuBLAS", "config",
-        "cuBLAS + residual pass ms", "TMA + residual epilogue ms", "x", "rel err")  # fmt: skip
-    row(*["---"] * 9)
+        "cuBLAS + residual pass ms", "TMA + residual epilogue ms", "x", "rel err",
+        "TMA + norm prologue ms", "x cuBLAS", "rel err")  # fmt: skip
+    row(*["---"] * 12)
     for name, (M, K, N) in shapes.items():
         a = torch.randn(M, K, device=DEV, dtype=DT)
         w = torch.randn(N, K, device=DEV, dtype=DT) * 0.02
@@ -1028,9 +1043,17 @@ def tma() -> None:
             lambda a=a, w=w, r=r, ls=ls, b=b, c=best[1]: mm_tma(a, w, c, r, ls, b), return_mode="median"
         )
         err = float((got.float() - ref.float()).norm() / ref.float().norm())
+        rstd = torch.rsqrt(a.float().pow(2).mean(-1) + 1e-6)  # [M]
+        nw = 1 + 0.02 * torch.randn(K, device=DEV, dtype=DT)
+        ref_n = F.linear((a.float() * rstd[:, None] * nw.float()).to(DT), w)
+        got_n = mm_tma(a, w, best[1], rstd=rstd, nw=nw)
+        ms_pro = do_bench(lambda a=a, w=w, c=best[1], r=rstd, n=nw: mm_tma(a, w, c, rstd=r, nw=n),
+                          return_mode="median")  # fmt: skip
+        err_n = float((got_n.float() - ref_n.float()).norm() / ref_n.float().norm())
         row(f"{name} ({M}, {K} -> {N})", f"{ms_cublas:.3f} ({fl / ms_cublas:.0f})", f"{best[0]:.3f} "
             f"({fl / best[0]:.0f})", f"{ms_cublas / best[0]:.3f}", best[1], f"{ms_ref:.3f}", f"{ms_epi:.3f}",
-            f"{ms_ref / ms_epi:.3f}", f"{err:.1e}")  # fmt: skip
+            f"{ms_ref / ms_epi:.3f}", f"{err:.1e}", f"{ms_pro:.3f}", f"{ms_cublas / ms_pro:.3f}",
+            f"{err_n:.1e}")  # fmt: skip
 
 
 def vit300() -> None:

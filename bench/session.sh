@@ -12,7 +12,8 @@ export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
 case $what in
 tma)  # not run yet (written in session 8 after its device time was spent): can a persistent TMA Triton GEMM reach
-  # cuBLAS at the ViT's and the 8B LLM's shapes, plain and with the residual + layer-scale epilogue? (~3 min)
+  # cuBLAS at the ViT's and the 8B LLM's shapes: plain, with the residual + layer-scale epilogue, with an RMSNorm
+  # prologue (A tiles normalized on load)? (~4 min)
   timeout 400 python3 bench/probe.py tma 2>&1 | tee "$out/probe_tma.log" | grep -E '^\||^  |Error|error' ;;
 s8-resid2)  # one compiled 8B layer with only the attention residual unfused (~2 min; run at 6114fd8, since reverted)
   timeout 150 python3 bench/probe.py llm-layer 2>&1 | tee "$out/probe_llm_layer.log" | grep -vE "code:|Warning|warn" | grep -E "^##|nvjet|Memcpy|triton|cudnn|Cat" ;;

@@ -92,9 +92,9 @@ def test_probe_cls_split_equals_plain_attention():
 
 
 def test_probe_tma_gemm_in_the_interpreter():
-    """The persistent TMA GEMM `probe.py tma` times (TRITON_INTERPRET=1 runs it on CPU): equal to the product, and
-    with its epilogue to resid + ls * (product + bias), fp32 tightly and fp16 within fp16's rounding; M and N not
-    multiples of the tiles, and fewer programs than tiles (each walks several)."""
+    """The persistent TMA GEMM `probe.py tma` times (TRITON_INTERPRET=1 runs it on CPU): equal to the product, with
+    its epilogue to resid + ls * (product + bias), with its norm prologue to (a * rstd * nw) @ w^T; fp32 tightly and
+    fp16 within fp16's rounding; M and N not multiples of the tiles, fewer programs than tiles (each walks several)."""
     pytest.importorskip("triton")
     code = textwrap.dedent(
         """
@@ -107,8 +107,11 @@ def test_probe_tma_gemm_in_the_interpreter():
             a, w = torch.randn(70, 64).to(dt), (0.1 * torch.randn(48, 64)).to(dt)
             r, ls, b = torch.randn(70, 48).to(dt), torch.rand(48).to(dt), torch.randn(48).to(dt)
             prod = a.float() @ w.float().t()
+            rstd, nw = torch.rand(70) + 0.5, torch.rand(64).to(dt) + 0.5
+            normed = (a.float() * rstd[:, None] * nw.float()).to(dt).float() @ w.float().t()
             for got, ref in ((mm_tma(a, w, cfg, num_sms=3), prod),
-                             (mm_tma(a, w, cfg, r, ls, b, num_sms=3), r.float() + ls.float() * (prod + b.float()))):
+                             (mm_tma(a, w, cfg, r, ls, b, num_sms=3), r.float() + ls.float() * (prod + b.float())),
+                             (mm_tma(a, w, cfg, num_sms=3, rstd=rstd, nw=nw), normed)):
                 err = float((got.float() - ref).norm() / ref.norm())
                 assert got.shape == (70, 48) and err < tol, (dt, err)
         print("ok")
