@@ -919,9 +919,10 @@ def perseq(preset: str = "internvl2_5-8b") -> None:
 
 # --------------------------------------------------------------------------- a persistent TMA GEMM (probe.py tma)
 # The open question behind both remaining targets: can a Triton GEMM run at cuBLAS speed at these shapes, so that
-# the residual / layer-scale / activation passes could live in its epilogue, and the norm in the next GEMM's prologue? Session 7's plain-pointer kernel ran
-# at ~81% of cuBLAS. This one is persistent (one program per SM walking the output tiles in grouped order) and
-# loads its tiles with TMA (device-side tensor descriptors), as Triton's persistent-matmul tutorial does on Hopper.
+# the residual / layer-scale / activation passes could live in its epilogue, and the norm in the next GEMM's
+# prologue? Session 7's plain-pointer kernel ran at ~81% of cuBLAS. This one is persistent (one program per SM
+# walking the output tiles in grouped order) and loads its tiles with TMA (device-side tensor descriptors), as
+# Triton's persistent-matmul tutorial does on Hopper.
 # EPI: 0 writes the product; 1 writes R + LS * (product + BIAS) (the ViT's residual with its layer scale).
 # PRO: 1 normalizes each A tile on its way in, a * RSTD[row] * NW[col] rounded to A's dtype (an RMSNorm whose row
 # statistics came from the previous epilogue), so the norm's output is never written.
