@@ -558,18 +558,20 @@ CONFIGS = [
 if triton is not None:
 
     @triton.jit
+    def _grouped_tile(tile, n_m, n_n, GROUP_M: tl.constexpr):
+        """Output tile number -> (pid_m, pid_n) in grouped order: GROUP_M row tiles in a row share the weight
+        tiles they read while those sit in L2."""
+        per_group = GROUP_M * n_n
+        first_m = (tile // per_group) * GROUP_M
+        size_m = min(n_m - first_m, GROUP_M)
+        return first_m + (tile % per_group) % size_m, (tile % per_group) // size_m
+
+    @triton.jit
     def _swiglu_mm_kernel(
         X, W, OUT, M, N, K, stride_xm, stride_wn, stride_om,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ):  # fmt: skip
-        # grouped launch order: GROUP_M row tiles share the weight tiles they read while those sit in L2
-        pid = tl.program_id(0)
-        n_m, n_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-        per_group = GROUP_M * n_n
-        first_m = (pid // per_group) * GROUP_M
-        size_m = min(n_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % per_group) % size_m
-        pid_n = (pid % per_group) // size_m
+        pid_m, pid_n = _grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
         rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M  # wrapped: loads need no mask, stores do
         rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
         rk = tl.arange(0, BLOCK_K)
@@ -950,12 +952,8 @@ if triton is not None:
         c_desc = tl.make_tensor_descriptor(C, shape=[M, N], strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N])
         r_desc = tl.make_tensor_descriptor(R, shape=[M, N], strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N])
         n_m, n_n, k_tiles = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), tl.cdiv(K, BLOCK_K)
-        per_group = GROUP_M * n_n
         for tile in tl.range(tl.program_id(0), n_m * n_n, NUM_SMS, flatten=True):
-            first_m = (tile // per_group) * GROUP_M
-            size_m = min(n_m - first_m, GROUP_M)
-            pid_m = first_m + (tile % per_group) % size_m
-            pid_n = (tile % per_group) // size_m
+            pid_m, pid_n = _grouped_tile(tile, n_m, n_n, GROUP_M)
             om, on = pid_m * BLOCK_M, pid_n * BLOCK_N
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             if PRO == 1:

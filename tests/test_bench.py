@@ -45,6 +45,15 @@ def test_bench_smoke(script, extra):
     assert "|" in p.stdout  # the table
 
 
+def _run_interpreted(code: str) -> None:
+    """Run `code` in a fresh Python with TRITON_INTERPRET=1 (Triton kernels on the CPU); it must print "ok"."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    p = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert p.returncode == 0 and "ok" in p.stdout, p.stderr[-3000:]
+
+
 def test_probe_swiglu_kernel_in_the_interpreter():
     """The gate/up + SiLU * up Triton kernel `probe.py swiglu` times (TRITON_INTERPRET=1 runs it on CPU): equal to
     the eager MLP's sums, fp32 tightly and fp16 within fp16's rounding, with M and N not multiples of the tiles."""
@@ -64,11 +73,7 @@ def test_probe_swiglu_kernel_in_the_interpreter():
         print("ok")
         """
     )
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    p = subprocess.run(
-        [sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, timeout=300
-    )
-    assert p.returncode == 0 and "ok" in p.stdout, p.stderr[-3000:]
+    _run_interpreted(code)
 
 
 def test_probe_cls_split_equals_plain_attention():
@@ -117,8 +122,4 @@ def test_probe_tma_gemm_in_the_interpreter():
         print("ok")
         """
     )
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    p = subprocess.run(
-        [sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, timeout=300
-    )
-    assert p.returncode == 0 and "ok" in p.stdout, p.stderr[-3000:]
+    _run_interpreted(code)
