@@ -19,6 +19,7 @@
     python bench/probe.py llm-layer  # one compiled 8B decoder layer over the seed job's first batch: its kernels
     python bench/probe.py perseq  # per-sequence cuDNN prefill attention: a copy per sequence vs one cat (8B batch)
     python bench/probe.py tma     # a persistent TMA Triton GEMM vs cuBLAS, plain and with the residual epilogue
+    python bench/probe.py inplace # the residual as cuBLAS's C written in place (x.addmm_) vs mm and addmm
     python bench/probe.py vit300  # `vit` for the 300M encoder only, without the coordinate-descent pass
     python bench/probe.py llm   # 38B LLM (64 layers), 16 x 2000 tokens: prefill and 3 decode steps, eager vs
                                 # CUDA-graphed decode vs compiled layers
@@ -1055,6 +1056,42 @@ def tma(shapes: dict[str, tuple[int, int, int]] | None = None) -> None:
             f"{err_n:.1e}")  # fmt: skip
 
 
+def inplace() -> None:
+    """The residual add as cuBLAS's C with C = D (x.addmm_(a, w^T): no copy of x first, unlike addmm out of place,
+    which copies x into its result and which Inductor emits for `x + linear(a, w)`), against mm alone, at the ViT's
+    and the 8B LLM's row-parallel shapes; also the in-place add compiled (does Inductor keep it in place?)."""
+    from triton.testing import do_bench
+
+    shapes = {  # name: (M, K, N)
+        "300M proj": (64 * 1025, 1024, 1024),
+        "300M fc2": (64 * 1025, 4096, 1024),
+        "6B proj": (64 * 1025, 3200, 3200),
+        "6B fc2": (64 * 1025, 12800, 3200),
+        "8B o_proj": (65210, 4096, 4096),
+        "8B down": (65210, 14336, 4096),
+    }
+    compiled = torch.compile(lambda x, a, w: x.addmm_(a, w.t()), dynamic=False)
+    row("shape (M, K -> N)", "mm ms", "addmm (copies x) ms", "x.addmm_ ms", "x.addmm_ compiled ms",
+        "addmm_ - mm (ms)", "bytes of x at 3.5 TB/s (ms)", "rel err addmm_ vs x + mm")  # fmt: skip
+    row(*["---"] * 8)
+    for name, (M, K, N) in shapes.items():
+        a = torch.randn(M, K, device=DEV, dtype=DT)
+        w = torch.randn(N, K, device=DEV, dtype=DT) * 0.02
+        x = torch.randn(M, N, device=DEV, dtype=DT)
+        ref = x.float() + a.float() @ w.float().t()
+        got = x.clone().addmm_(a, w.t())
+        err = float((got.float() - ref).norm() / ref.norm())
+        with torch.inference_mode():
+            t_mm = do_bench(lambda a=a, w=w: torch.mm(a, w.t()), return_mode="median")
+            t_add = do_bench(lambda x=x, a=a, w=w: torch.addmm(x, a, w.t()), return_mode="median")
+            xs = x.clone()
+            t_ip = do_bench(lambda x=xs, a=a, w=w: x.addmm_(a, w.t()), return_mode="median")
+            compiled(xs, a, w)
+            t_c = do_bench(lambda x=xs, a=a, w=w: compiled(x, a, w), return_mode="median")
+        row(f"{name} ({M}, {K} -> {N})", f"{t_mm:.3f}", f"{t_add:.3f}", f"{t_ip:.3f}", f"{t_c:.3f}",
+            f"{t_ip - t_mm:.3f}", f"{M * N * 2 / 3.5e9:.3f}", f"{err:.1e}")  # fmt: skip
+
+
 def vit300() -> None:
     vit(presets=("internvl2_5-8b",), tuned=False)
 
@@ -1064,6 +1101,7 @@ if __name__ == "__main__":
     {
         "cls": cls,
         "tma": tma,
+        "inplace": inplace,
         "perseq": perseq,
         "llm-layer": llm_layer,
         "ragged": ragged,

@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
 # The GPU runs that belong together, one step per device call (each bounded to fit one call's 600 s).
 # Usage on the device (after ../shared/tools/device-prep here; carry .whl and .data):
-#   bash bench/session.sh tma|s8-resid2|s8-resid|s8-copies|s8-e2e|s8-38b|s8-perseq|s8-probe|s7-cache|s7-38b|s7-vit|s7-e2e|s7-probe|probe-dec|try-8b|ragged|fused|margins|parity|parity-e2e|parity38-e2e|e2e-both|final|probe-llm|probe-vit|parts|vit64-modes|e2e-cudnn|e2e-38b|e2e-8b-overlap|fp8|fp8-bench|fp8-e2e|attn-8b|e2e-8b-hf64|vit64|vit|e2e|e2e-fast|e2e-8b
+#   bash bench/session.sh s9|tma|s8-resid2|s8-resid|s8-copies|s8-e2e|s8-38b|s8-perseq|s8-probe|s7-cache|s7-38b|s7-vit|s7-e2e|s7-probe|probe-dec|try-8b|ragged|fused|margins|parity|parity-e2e|parity38-e2e|e2e-both|final|probe-llm|probe-vit|parts|vit64-modes|e2e-cudnn|e2e-38b|e2e-8b-overlap|fp8|fp8-bench|fp8-e2e|attn-8b|e2e-8b-hf64|vit64|vit|e2e|e2e-fast|e2e-8b
 # Full logs land in $OUT (when set); each step ends with the table to copy into bench/RESULTS.md.
 set -u
-what=${1:?tma|s8-resid2|s8-resid|s8-copies|s8-e2e|s8-38b|s8-perseq|s8-probe|s7-cache|s7-38b|s7-vit|s7-e2e|s7-probe|probe-dec|try-8b|ragged|fused|margins|parity|parity-e2e|parity38-e2e|e2e-both|final|probe-llm|probe-vit|parts|vit64-modes|e2e-cudnn|e2e-38b|e2e-8b-overlap|fp8|fp8-bench|fp8-e2e|attn-8b|e2e-8b-hf64|vit64|vit|e2e|e2e-fast|e2e-8b}
+what=${1:?s9|tma|s8-resid2|s8-resid|s8-copies|s8-e2e|s8-38b|s8-perseq|s8-probe|s7-cache|s7-38b|s7-vit|s7-e2e|s7-probe|probe-dec|try-8b|ragged|fused|margins|parity|parity-e2e|parity38-e2e|e2e-both|final|probe-llm|probe-vit|parts|vit64-modes|e2e-cudnn|e2e-38b|e2e-8b-overlap|fp8|fp8-bench|fp8-e2e|attn-8b|e2e-8b-hf64|vit64|vit|e2e|e2e-fast|e2e-8b}
 out=${OUT:-/tmp}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
 case $what in
+s9)  # session 9: the TMA GEMM probe (above), then the residual add as cuBLAS's C in place (~5 min)
+  timeout 400 python3 bench/probe.py tma 2>&1 | tee "$out/probe_tma.log" | grep -E '^\||^  |Error|error'
+  timeout 150 python3 bench/probe.py inplace 2>&1 | tee "$out/probe_inplace.log" | grep -E '^\||^  |Error|error' ;;
 tma)  # not run yet (written in session 8 after its device time was spent): can a persistent TMA Triton GEMM reach
   # cuBLAS at the ViT's and the 8B LLM's shapes: plain, with the residual + layer-scale epilogue, with an RMSNorm
   # prologue (A tiles normalized on load)? (~4 min)
