@@ -944,9 +944,9 @@ if triton is not None:
 
     @triton.jit
     def _mm_tma_kernel(
-        A, B, C, R, LS, BIAS, RSTD, NW, M, N, K,
+        A, B, C, R, LS, BIAS, RSTD, NW, MU, CS, SUM, SSQ, M, N, K,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-        NUM_SMS: tl.constexpr, EPI: tl.constexpr, PRO: tl.constexpr,
+        NUM_SMS: tl.constexpr, EPI: tl.constexpr, PRO: tl.constexpr, STATS: tl.constexpr, GELU: tl.constexpr,
     ):  # fmt: skip
         a_desc = tl.make_tensor_descriptor(A, shape=[M, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
         b_desc = tl.make_tensor_descriptor(B, shape=[N, K], strides=[K, 1], block_shape=[BLOCK_N, BLOCK_K])
@@ -956,9 +956,9 @@ if triton is not None:
         for tile in tl.range(tl.program_id(0), n_m * n_n, NUM_SMS, flatten=True):
             pid_m, pid_n = _grouped_tile(tile, n_m, n_n, GROUP_M)
             om, on = pid_m * BLOCK_M, pid_n * BLOCK_N
+            rows, cols = om + tl.arange(0, BLOCK_M), on + tl.arange(0, BLOCK_N)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             if PRO == 1:
-                rows = om + tl.arange(0, BLOCK_M)
                 rstd = tl.load(RSTD + rows, mask=rows < M, other=0.0)
             for kk in range(k_tiles):
                 a = a_desc.load([om, kk * BLOCK_K])  # [BLOCK_M, BLOCK_K]
@@ -969,16 +969,31 @@ if triton is not None:
                 b = b_desc.load([on, kk * BLOCK_K])  # [BLOCK_N, BLOCK_K]: rows of the [N, K] weight
                 acc = tl.dot(a, b.T, acc)
             if EPI == 1:
-                cols = on + tl.arange(0, BLOCK_N)
                 ls = tl.load(LS + cols, mask=cols < N, other=0.0).to(tl.float32)
                 bias = tl.load(BIAS + cols, mask=cols < N, other=0.0).to(tl.float32)
                 acc = r_desc.load([om, on]).to(tl.float32) + ls[None, :] * (acc + bias[None, :])
+                if STATS == 1:  # the next norm's row statistics, summed over this row's N tiles
+                    tl.atomic_add(SUM + rows, tl.sum(acc, axis=1), mask=rows < M, sem="relaxed")
+                    tl.atomic_add(SSQ + rows, tl.sum(acc * acc, axis=1), mask=rows < M, sem="relaxed")
+            if EPI == 2:  # the input's norm folded in: rstd * (a @ (w * nw)^T - mean * colsum) + bias'
+                rs = tl.load(RSTD + rows, mask=rows < M, other=0.0)
+                mu = tl.load(MU + rows, mask=rows < M, other=0.0)
+                cs = tl.load(CS + cols, mask=cols < N, other=0.0)
+                bias = tl.load(BIAS + cols, mask=cols < N, other=0.0)
+                acc = rs[:, None] * (acc - mu[:, None] * cs[None, :]) + bias[None, :]
+                if GELU == 1:  # tanh form, as cuBLASLt's epilogue
+                    u = 0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)
+                    acc = 0.5 * acc * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * u)) - 1.0))
             c_desc.store([om, on], acc.to(C.dtype.element_ty))
 
 
-def mm_tma(a, w, cfg, resid=None, ls=None, bias=None, num_sms: int | None = None, rstd=None, nw=None):
-    """a [M, K] @ w[N, K]^T through `_mm_tma_kernel`; with resid/ls/bias: resid + ls * (a @ w^T + bias); with
-    rstd [M] (fp32) and nw [K]: a is first normalized, a * rstd[:, None] * nw (rounded to a's dtype)."""
+def mm_tma(a, w, cfg, resid=None, ls=None, bias=None, num_sms: int | None = None, rstd=None, nw=None, stats=None,
+           folded=None, gelu=False):  # fmt: skip
+    """a [M, K] @ w[N, K]^T through `_mm_tma_kernel`; with resid/ls/bias: resid + ls * (a @ w^T + bias) (with
+    stats = (sum [M], ssq [M]) fp32: the result's row sums and sums of squares added into them); with rstd [M] (fp32)
+    and nw [K]: a is first normalized, a * rstd[:, None] * nw (rounded to a's dtype); with folded = (rstd, mean [M],
+    colsum [N], bias [N]) fp32: rstd * (a @ w^T - mean * colsum) + bias (a norm of a folded into w and the
+    epilogue), then GELU (tanh form) if gelu."""
     bm, bn, bk, gm, stages, warps = cfg
     M, K = a.shape
     N = w.shape[0]
@@ -986,13 +1001,15 @@ def mm_tma(a, w, cfg, resid=None, ls=None, bias=None, num_sms: int | None = None
     if a.is_cuda:  # device-side descriptors need scratch memory
         triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=a.device))
     sms = num_sms or (torch.cuda.get_device_properties(a.device).multi_processor_count if a.is_cuda else 4)
-    epi = resid is not None
+    epi = 1 if resid is not None else 2 if folded is not None else 0
+    rs, mu, cs, fb = folded if folded is not None else (rstd, out, out, out)
+    s_sum, s_ssq = stats if stats is not None else (out, out)
     n_tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
     _mm_tma_kernel[(min(sms, n_tiles),)](
-        a, w, out, resid if epi else out, ls if epi else out, bias if epi else out,
-        rstd if rstd is not None else out, nw if nw is not None else out, M, N, K,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, NUM_SMS=min(sms, n_tiles), EPI=int(epi),
-        PRO=int(rstd is not None),
+        a, w, out, resid if epi == 1 else out, ls if epi == 1 else out, bias if epi == 1 else fb,
+        rs if rs is not None else out, nw if nw is not None else out, mu, cs, s_sum, s_ssq, M, N, K,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, NUM_SMS=min(sms, n_tiles), EPI=epi,
+        PRO=int(rstd is not None and folded is None), STATS=int(stats is not None), GELU=int(gelu),
         num_stages=stages, num_warps=warps,
     )  # fmt: skip
     return out
@@ -1000,8 +1017,9 @@ def mm_tma(a, w, cfg, resid=None, ls=None, bias=None, num_sms: int | None = None
 
 def tma(shapes: dict[str, tuple[int, int, int]] | None = None) -> None:
     """The persistent TMA GEMM against cuBLAS at the ViT's and the 8B LLM's shapes: plain; with the residual +
-    layer-scale epilogue (against cuBLAS + the compiled residual kernel); with the RMSNorm prologue (against cuBLAS
-    on the already normalized input, which the norm pass had to write). Best config per shape (of the plain GEMM)."""
+    layer-scale epilogue (against cuBLAS + the compiled residual kernel), also summing the next norm's row
+    statistics; with the input's LayerNorm folded into the weight and the epilogue (against the compiled norm pass +
+    cuBLAS), also with GELU; with the RMSNorm prologue. Best config per shape (of the plain GEMM)."""
     from triton.testing import do_bench
 
     shapes = shapes or {  # name: (M, K, N)
@@ -1009,51 +1027,68 @@ def tma(shapes: dict[str, tuple[int, int, int]] | None = None) -> None:
         "6B qkv": (64 * 1025, 3200, 9600),
         "6B fc1": (64 * 1025, 3200, 12800),
         "6B fc2": (64 * 1025, 12800, 3200),
+        "300M qkv": (64 * 1025, 1024, 3072),
+        "300M fc1": (64 * 1025, 1024, 4096),
         "300M fc2": (64 * 1025, 4096, 1024),
         "8B down": (65210, 14336, 4096),
     }
+    bench = functools.partial(do_bench, return_mode="median")
     resid_add = torch.compile(lambda r, ls, y, b: r + ls * (y + b))
+    ln = torch.compile(lambda a, nw, nb: F.layer_norm(a, (a.shape[-1],), nw, nb, 1e-6))
     row("shape (M, K -> N)", "cuBLAS ms (TFLOP/s)", "best TMA ms (TFLOP/s)", "x cuBLAS", "config",
-        "cuBLAS + residual pass ms", "TMA + residual epilogue ms", "x", "rel err",
-        "TMA + norm prologue ms", "x cuBLAS", "rel err")  # fmt: skip
-    row(*["---"] * 12)
+        "residual: cuBLAS + pass ms", "TMA epilogue ms", "+ row stats ms", "x", "rel err",
+        "norm: pass + cuBLAS ms", "TMA folded ms", "+ GELU ms", "x", "rel err", "TMA prologue ms", "rel err")  # fmt: skip
+    row(*["---"] * 17)
+    rel = lambda got, ref: float((got.float() - ref.float()).norm() / ref.float().norm())  # noqa: E731
     for name, (M, K, N) in shapes.items():
         a = torch.randn(M, K, device=DEV, dtype=DT)
         w = torch.randn(N, K, device=DEV, dtype=DT) * 0.02
         r = torch.randn(M, N, device=DEV, dtype=DT)
         ls, b = torch.rand(N, device=DEV, dtype=DT) * 0.1, torch.randn(N, device=DEV, dtype=DT) * 0.02
         fl = 2 * M * K * N / 1e9
-        ms_cublas = do_bench(lambda a=a, w=w: F.linear(a, w), return_mode="median")
+        ms_cublas = bench(lambda a=a, w=w: F.linear(a, w))
         best = (float("inf"), None)
         for cfg in TMA_CONFIGS:
             try:
                 mm_tma(a, w, cfg)
-                ms = do_bench(lambda a=a, w=w, cfg=cfg: mm_tma(a, w, cfg), return_mode="median")
+                ms = bench(lambda a=a, w=w, cfg=cfg: mm_tma(a, w, cfg))
                 best = min(best, (ms, cfg), key=lambda t: t[0])
             except Exception as ex:  # noqa: BLE001
                 print(f"  {name} {cfg}: {type(ex).__name__}: {str(ex)[:200]}")
         if best[1] is None:
             continue
+        c = best[1]
+        # residual epilogue (and the next norm's row statistics)
         ref = resid_add(r, ls, F.linear(a, w), b)
-        ms_ref = do_bench(
-            lambda a=a, w=w, r=r, ls=ls, b=b: resid_add(r, ls, F.linear(a, w), b), return_mode="median"
+        ms_ref = bench(lambda c=c, a=a, w=w, r=r, ls=ls, b=b: resid_add(r, ls, F.linear(a, w), b))
+        err = rel(mm_tma(a, w, c, r, ls, b), ref)
+        ms_epi = bench(lambda c=c, a=a, w=w, r=r, ls=ls, b=b: mm_tma(a, w, c, r, ls, b))
+        st = torch.zeros(2, M, device=DEV)
+        ms_st = bench(
+            lambda c=c, a=a, w=w, r=r, ls=ls, b=b, st=st: (st.zero_(), mm_tma(a, w, c, r, ls, b, stats=st))
         )
-        got = mm_tma(a, w, best[1], r, ls, b)
-        ms_epi = do_bench(
-            lambda a=a, w=w, r=r, ls=ls, b=b, c=best[1]: mm_tma(a, w, c, r, ls, b), return_mode="median"
-        )
-        err = float((got.float() - ref.float()).norm() / ref.float().norm())
-        rstd = torch.rsqrt(a.float().pow(2).mean(-1) + 1e-6)  # [M]
-        nw = 1 + 0.02 * torch.randn(K, device=DEV, dtype=DT)
-        ref_n = F.linear((a.float() * rstd[:, None] * nw.float()).to(DT), w)
-        got_n = mm_tma(a, w, best[1], rstd=rstd, nw=nw)
-        ms_pro = do_bench(lambda a=a, w=w, c=best[1], r=rstd, n=nw: mm_tma(a, w, c, rstd=r, nw=n),
-                          return_mode="median")  # fmt: skip
-        err_n = float((got_n.float() - ref_n.float()).norm() / ref_n.float().norm())
+        # the input's LayerNorm folded: (a - mu) * rstd * nw + nb, then @ w^T + b
+        nw = 1 + 0.1 * torch.randn(K, device=DEV, dtype=DT)
+        nb = 0.1 * torch.randn(K, device=DEV, dtype=DT)
+        ref_ln = F.linear(ln(a, nw, nb), w, b)
+        ms_ln = bench(lambda c=c, a=a, w=w, nw=nw, nb=nb, b=b: F.linear(ln(a, nw, nb), w, b))
+        af = a.float()
+        mu, rstd = af.mean(-1), torch.rsqrt(af.var(-1, unbiased=False) + 1e-6)
+        wf = (w.float() * nw.float()).to(DT)  # [N, K]: the norm weight folded into the GEMM's
+        folded = (rstd, mu, wf.float().sum(-1), b.float() + w.float() @ nb.float())
+        err_ln = rel(mm_tma(a, wf, c, folded=folded), ref_ln)
+        ms_fold = bench(lambda c=c, a=a, wf=wf, f=folded: mm_tma(a, wf, c, folded=f))
+        ms_gelu = bench(lambda c=c, a=a, wf=wf, f=folded: mm_tma(a, wf, c, folded=f, gelu=True))
+        # the RMSNorm prologue (A tiles normalized on load)
+        rs2 = torch.rsqrt(af.pow(2).mean(-1) + 1e-6)  # [M]
+        ref_n = F.linear((af * rs2[:, None] * nw.float()).to(DT), w)
+        err_n = rel(mm_tma(a, w, c, rstd=rs2, nw=nw), ref_n)
+        ms_pro = bench(lambda c=c, a=a, w=w, r=rs2, n=nw: mm_tma(a, w, c, rstd=r, nw=n))
         row(f"{name} ({M}, {K} -> {N})", f"{ms_cublas:.3f} ({fl / ms_cublas:.0f})", f"{best[0]:.3f} "
-            f"({fl / best[0]:.0f})", f"{ms_cublas / best[0]:.3f}", best[1], f"{ms_ref:.3f}", f"{ms_epi:.3f}",
-            f"{ms_ref / ms_epi:.3f}", f"{err:.1e}", f"{ms_pro:.3f}", f"{ms_cublas / ms_pro:.3f}",
-            f"{err_n:.1e}")  # fmt: skip
+            f"({fl / best[0]:.0f})", f"{ms_cublas / best[0]:.3f}", c, f"{ms_ref:.3f}", f"{ms_epi:.3f}",
+            f"{ms_st:.3f}", f"{ms_ref / ms_st:.3f}", f"{err:.1e}", f"{ms_ln:.3f}", f"{ms_fold:.3f}",
+            f"{ms_gelu:.3f}", f"{ms_ln / ms_fold:.3f}", f"{err_ln:.1e}", f"{ms_pro:.3f}", f"{err_n:.1e}")  # fmt: skip
+        del a, w, r, af, wf, ref, ref_ln, ref_n
 
 
 def inplace() -> None:

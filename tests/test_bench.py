@@ -98,8 +98,9 @@ def test_probe_cls_split_equals_plain_attention():
 
 def test_probe_tma_gemm_in_the_interpreter():
     """The persistent TMA GEMM `probe.py tma` times (TRITON_INTERPRET=1 runs it on CPU): equal to the product, with
-    its epilogue to resid + ls * (product + bias), with its norm prologue to (a * rstd * nw) @ w^T; fp32 tightly and
-    fp16 within fp16's rounding; M and N not multiples of the tiles, fewer programs than tiles (each walks several)."""
+    its epilogue to resid + ls * (product + bias) (and that result's row sums and sums of squares), with its norm
+    prologue to (a * rstd * nw) @ w^T, with a LayerNorm folded into w and the epilogue (and GELU) to the linear of the
+    normed input; fp32 tightly and fp16 within fp16's rounding; M and N not multiples of the tiles, fewer programs than tiles (each walks several)."""
     pytest.importorskip("triton")
     code = textwrap.dedent(
         """
@@ -119,6 +120,23 @@ def test_probe_tma_gemm_in_the_interpreter():
                              (mm_tma(a, w, cfg, num_sms=3, rstd=rstd, nw=nw), normed)):
                 err = float((got.float() - ref).norm() / ref.norm())
                 assert got.shape == (70, 48) and err < tol, (dt, err)
+            # the residual epilogue's row statistics, summed over the row's two N tiles
+            st = torch.zeros(2, 70)
+            got = mm_tma(a, w, cfg, r, ls, b, num_sms=3, stats=st).float()
+            for s, want in ((st[0], got.sum(-1)), (st[1], got.pow(2).sum(-1))):
+                assert float((s - want).norm() / want.norm()) < tol
+            # a LayerNorm of a folded into w and the epilogue, then GELU (tanh form)
+            nb = torch.randn(64).to(dt)
+            af = a.float()
+            mu, rs = af.mean(-1), torch.rsqrt(af.var(-1, unbiased=False) + 1e-6)
+            h = torch.nn.functional.layer_norm(af, (64,), nw.float(), nb.float(), 1e-6).to(dt).float()
+            wf = (w.float() * nw.float()).to(dt)
+            folded = (rs, mu, wf.float().sum(-1), b.float() + w.float() @ nb.float())
+            lin = h @ w.float().t() + b.float()
+            for gelu, ref in ((False, lin), (True, torch.nn.functional.gelu(lin, approximate="tanh"))):
+                got = mm_tma(a, wf, cfg, num_sms=3, folded=folded, gelu=gelu)
+                err = float((got.float() - ref).norm() / ref.norm())
+                assert got.shape == (70, 48) and err < tol, (dt, gelu, err)
         print("ok")
         """
     )
