@@ -11,9 +11,12 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
 case $what in
-s9)  # session 9: the TMA GEMM probe (above), then the residual add as cuBLAS's C in place (~5 min)
-  timeout 400 python3 bench/probe.py tma 2>&1 | tee "$out/probe_tma.log" | grep -E '^\||^  |Error|error'
-  timeout 150 python3 bench/probe.py inplace 2>&1 | tee "$out/probe_inplace.log" | grep -E '^\||^  |Error|error' ;;
+s9)  # session 9: the ViTs with norms / residuals / GELU in Triton GEMM epilogues vs today's compiled encoder (64
+  # tiles, no transformers), then the TMA GEMM probe, then the residual add as cuBLAS's C in place (~9 min)
+  timeout 300 python3 bench/vit.py --batches 64 --mode default --skip-hf --epilogue-gemm 2>&1 | tee "$out/vit_epi.log" \
+    | grep -E '^\||rel. error|tiles/s|Error|error'
+  timeout 190 python3 bench/probe.py tma 2>&1 | tee "$out/probe_tma.log" | grep -E '^\||^  |Error|error'
+  timeout 90 python3 bench/probe.py inplace 2>&1 | tee "$out/probe_inplace.log" | grep -E '^\||^  |Error|error' ;;
 tma)  # not run yet (written in session 8 after its device time was spent): can a persistent TMA Triton GEMM reach
   # cuBLAS at the ViT's and the 8B LLM's shapes: plain, with the residual + layer-scale epilogue, with an RMSNorm
   # prologue (A tiles normalized on load)? (~4 min)
