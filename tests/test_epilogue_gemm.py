@@ -12,7 +12,6 @@ from test_internvit import build_pair
 
 from batchvl.encoder.epilogue_gemm import (
     fold_norm,
-    gemm_normed,
     gemm_residual,
     normed_linear,
     row_stats,
@@ -45,7 +44,11 @@ def test_folded_norm_equals_norm_then_linear(rms, gelu) -> None:
 
 def test_gemm_residual_and_its_stats() -> None:
     g = torch.Generator().manual_seed(1)
-    a, w, x = torch.randn(7, 32, generator=g), torch.randn(24, 32, generator=g), torch.randn(7, 24, generator=g)
+    a, w, x = (
+        torch.randn(7, 32, generator=g),
+        torch.randn(24, 32, generator=g),
+        torch.randn(7, 24, generator=g),
+    )
     b, ls = torch.randn(24, generator=g), torch.randn(24, generator=g)
     got, stats = gemm_residual(a, w, b, ls, x)
     want = x + ls * torch.nn.functional.linear(a, w, b)
