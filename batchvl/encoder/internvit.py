@@ -87,12 +87,8 @@ class InternViTAttention(nn.Module):
 
     def mix(self, x: Tensor) -> Tensor:
         """Everything before the output projection: [B, T, C] -> heads' outputs [B, T, C]."""
-        return self.attend(self.qkv(x))
-
-    def attend(self, qkv: Tensor) -> Tensor:
-        """[q; k; v] rows [B, T, 3C] -> heads' outputs [B, T, C] (qk-norm, then SDPA)."""
-        B, T, _ = qkv.shape
-        q, k, v = qkv.chunk(3, dim=-1)  # 3 x [B, T, C]
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).chunk(3, dim=-1)  # 3 x [B, T, C]
         if self.qk_normalization:
             q, k = self.q_norm(q), self.k_norm(k)  # over the full hidden size, before the head split
         # head count comes from the weight width, so a tensor-parallel shard needs no bookkeeping here

@@ -28,7 +28,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from batchvl.encoder.epilogue_gemm import fold_norm, gemm_normed, gemm_residual, row_stats
 from batchvl.encoder.fused_norm import norm_params, residual_norm
 from batchvl.encoder.internvit import (
     InternViTEmbeddings,
@@ -113,53 +112,6 @@ def fast_layer_fused(
         return x.view(B, T, C), x.view(B, T, C)
     x, h = residual_norm(x, y, m.fc2.bias, layer.ls2, *norm_params(next_norm))
     return x.view(B, T, C), h.view(B, T, C)
-
-
-def fast_embed_stats(emb: InternViTEmbeddings, pixel_values: Tensor) -> tuple[Tensor, Tensor]:
-    """Embeddings (patch conv as a GEMM) and their row sums / sums of squares: ([B, 1+N, C], [2, B*(1+N)])."""
-    x = emb.add_cls_and_position(*patch_embed_gemm(emb.patch_embedding, pixel_values))
-    return x, row_stats(x.reshape(-1, x.shape[-1]))
-
-
-def fast_layer_epilogue(
-    layer: InternViTLayer, x: Tensor, stats: Tensor, qkv_f: tuple[Tensor, ...], fc1_f: tuple[Tensor, ...],
-    eps: float, rms: bool,
-) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """`layer(x)` given x's row statistics, every norm / residual / layer scale / GELU inside a GEMM
-    (`epilogue_gemm`): returns (x_out [B, T, C], its row statistics [2, B*T]). qkv_f, fc1_f: (w * g, colsum,
-    bias) of norm1 folded into qkv and of norm2 into fc1 (`fold_norm`)."""
-    B, T, C = x.shape
-    a, m = layer.attn, layer.mlp
-    qkv = gemm_normed(x.reshape(B * T, C), stats, *qkv_f, eps, rms, False)  # [B*T, 3C]
-    o = a.attend(qkv.view(B, T, 3 * C)).reshape(B * T, C)  # [B*T, C]
-    x, stats = gemm_residual(o, a.proj.weight, a.proj.bias, layer.ls1, x.reshape(B * T, C))
-    f = gemm_normed(x, stats, *fc1_f, eps, rms, True)  # [B*T, ff], GELU applied
-    x, stats = gemm_residual(f, m.fc2.weight, m.fc2.bias, layer.ls2, x)
-    return x.view(B, T, C), stats
-
-
-def fold_layers(enc: VisionEncoder) -> list[tuple[tuple[Tensor, ...], tuple[Tensor, ...], float, bool]]:
-    """Per layer: norm1 folded into qkv, norm2 into fc1, as `fast_layer_epilogue` takes them."""
-    out = []
-    for layer in enc.vit.layers:
-        q, f = fold_norm(layer.norm1, layer.attn.qkv), fold_norm(layer.norm2, layer.mlp.fc1)
-        out.append(((q.w_f, q.colsum, q.bias_f), (f.w_f, f.colsum, f.bias_f), q.eps, q.rms))
-    return out
-
-
-def fast_forward_epilogue(
-    enc: VisionEncoder,
-    pixel_values: Tensor,
-    folded: list,
-    embed: Callable = fast_embed_stats,
-    layer_fn: Callable = fast_layer_epilogue,
-    head: Callable = None,
-) -> Tensor:
-    """`fast_forward` through `fast_layer_epilogue` (folded = `fold_layers(enc)`)."""
-    x, stats = embed(enc.vit.embeddings, pixel_values)  # [B, 1+N, C], [2, B*(1+N)]
-    for layer, (qkv_f, fc1_f, eps, rms) in zip(enc.vit.layers, folded, strict=True):
-        x, stats = layer_fn(layer, x, stats, qkv_f, fc1_f, eps, rms)
-    return (head or fast_head)(enc.projector, x, enc.cfg.downsample_ratio)  # [B, num_image_token, H]
 
 
 def fast_head(projector: Projector, x: Tensor, ratio: float) -> Tensor:
@@ -339,8 +291,6 @@ class CompiledEncoder:
     attn_backend: the SDPA backend tried first ("cudnn" measured fastest at these shapes on an H200; the others
     are the fallback). gelu_epilogue: fc1 + GELU as one cuBLASLt GEMM (module docstring); off: exact GELU in Inductor.
     fused_norm: residual + layer scale + next norm as one Triton pass per row (`fused_norm.residual_norm`).
-    epilogue_gemm: instead, every norm, residual, layer scale and GELU inside the GEMMs (`epilogue_gemm`); keeps
-    a copy of each layer's qkv and fc1 weights with the norm weight folded in (plain Linear layers only).
     """
 
     def __init__(
@@ -354,7 +304,6 @@ class CompiledEncoder:
         cache_dir: str | None = None,
         gelu_epilogue: bool = True,
         fused_norm: bool = True,
-        epilogue_gemm: bool = False,
     ) -> None:
         self.enc, self.dynamic, self.attn_backend = enc, dynamic, attn_backend
         self.gelu_epilogue, self.fused_norm = gelu_epilogue, fused_norm
@@ -363,18 +312,8 @@ class CompiledEncoder:
         # fast_layer: with/without next norm per bucket, and room to spare: a hit limit fails hard (fullgraph)
         _raise_recompile_limit(4 * len(self.buckets))
         opts = dict(**compile_kwargs(mode), dynamic=dynamic, fullgraph=True)
-        self.folded = None
-        if epilogue_gemm:
-            lins = [
-                m
-                for layer in enc.vit.layers
-                for m in (layer.attn.qkv, layer.attn.proj, *layer.mlp.children())
-            ]
-            if not all(type(m) is nn.Linear for m in lins):
-                raise ValueError("epilogue_gemm needs plain Linear layers (not FP8)")
-            self.folded = fold_layers(enc)
-        self.embed = torch.compile(fast_embed_stats if epilogue_gemm else fast_embed, **opts)
-        self.layer = torch.compile(fast_layer_epilogue if epilogue_gemm else fast_layer, **opts)
+        self.embed = torch.compile(fast_embed, **opts)
+        self.layer = torch.compile(fast_layer, **opts)
         self.head = torch.compile(fast_head, **opts)
 
     def _run(self, px: Tensor) -> Tensor:
@@ -382,8 +321,6 @@ class CompiledEncoder:
         # engine call under inference_mode would otherwise compile every bucket twice
         with torch.inference_mode(), sdpa_context(self.attn_backend, px.device):
             px = px if px.is_inference() else px.clone()
-            if self.folded is not None:
-                return fast_forward_epilogue(self.enc, px, self.folded, self.embed, self.layer, self.head)
             return fast_forward(
                 self.enc, px, self.embed, self.layer, self.head, self.gelu_epilogue, self.fused_norm
             )
