@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
     [
         ("e2e.py", []),
         ("e2e.py", ["--modes", "nocache,nocache+fp8,nocache+prefetch"]),
-        ("vit.py", ["--fp8", "--unfused-norm"]),
+        ("vit.py", ["--fp8", "--unfused-norm", "--inplace-residual"]),
     ],
     ids=["e2e", "e2e-fp8", "vit-fp8"],
 )
@@ -42,6 +42,8 @@ def test_bench_smoke(script, extra):
         assert "| ours-fp8 |" in p.stdout and "ours-fp8 vs ours-compiled (bf16) features" in p.stdout
     if "--unfused-norm" in extra:
         assert "| ours-unfused-norm |" in p.stdout
+    if "--inplace-residual" in extra:
+        assert "| ours-inplace-residual |" in p.stdout
     assert "|" in p.stdout  # the table
 
 

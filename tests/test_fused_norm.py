@@ -85,3 +85,57 @@ def test_fused_forward_equals_eager(vision) -> None:
     torch.testing.assert_close(got, ref, atol=ATOL, rtol=RTOL)
     got = compile_encoder(enc, buckets=[4], gelu_epilogue=vision == "6b", fused_norm=True)(px)
     torch.testing.assert_close(got, ref, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("vision", ["6b", "300m"])
+def test_inplace_residual_forward_equals_eager(vision) -> None:
+    """The encoder through `fast_layer_inplace` (residuals added by the GEMM in place, layer scales folded into the
+    weights, biases carried as a shift vector; eager and compiled) = the eager encoder, fp32; layer scales and
+    biases away from 1 and 0 so the folding is tested."""
+    from batchvl.encoder.internvit_compiled import fast_forward_inplace, fold_scales
+
+    enc, _ = build_pair(vision)
+    with torch.no_grad():
+        for layer in enc.vit.layers:
+            for p in (layer.ls1, layer.ls2, layer.attn.proj.bias, layer.mlp.fc2.bias):
+                p.copy_(0.5 * torch.randn_like(p))
+    px = torch.randn(3, 3, 112, 112)
+    with torch.no_grad():
+        ref = enc(px)
+        got = fast_forward_inplace(enc, px, fold_scales(enc))
+    torch.testing.assert_close(got, ref, atol=ATOL, rtol=RTOL)
+    got = compile_encoder(enc, buckets=[4], gelu_epilogue=vision == "6b", inplace_residual=True)(px)
+    torch.testing.assert_close(got, ref, atol=ATOL, rtol=RTOL)
+
+
+def test_shifted_norm_kernel_in_the_interpreter() -> None:
+    """norm(x + shift) through the kernel's SHIFT mode (TRITON_INTERPRET=1) = the reference and the norm modules;
+    fp32 tightly, bf16 within 1e-2 by norm; masked widths, LayerNorm with and without bias, RMSNorm."""
+    pytest.importorskip("triton")
+    code = textwrap.dedent(
+        """
+        import torch
+        from batchvl.encoder.fused_norm import shifted_norm, shifted_norm_reference
+        from batchvl.encoder.internvit import RMSNorm
+        torch.manual_seed(0)
+        for C, rms, hnb in ((64, False, True), (100, True, False), (96, False, False)):
+            x, shift = torch.randn(7, C), torch.randn(C)
+            w, nb = 1 + 0.1 * torch.randn(C), torch.randn(C) if hnb else None
+            norm = RMSNorm(C, 1e-6) if rms else torch.nn.LayerNorm(C, 1e-6, bias=hnb)
+            with torch.no_grad():
+                norm.weight.copy_(w)
+                if hnb:
+                    norm.bias.copy_(nb)
+                want = norm(x + shift)
+            torch.testing.assert_close(shifted_norm_reference(x, shift, w, nb, 1e-6, rms), want)
+            torch.testing.assert_close(shifted_norm(x, shift, w, nb, 1e-6, rms), want, atol=1e-5, rtol=1e-5)
+            xb, wb, nbb = x.bfloat16(), w.bfloat16(), nb.bfloat16() if hnb else None
+            got = shifted_norm(xb, shift, wb, nbb, 1e-6, rms).float()
+            ref = shifted_norm_reference(xb.float(), shift, wb.float(), nbb.float() if hnb else None, 1e-6, rms)
+            assert ((got - ref).norm() / ref.norm()).item() < 1e-2
+        print("ok")
+        """
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and "ok" in p.stdout, p.stderr[-3000:]

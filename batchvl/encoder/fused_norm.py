@@ -47,18 +47,23 @@ if triton is not None:
     def _residual_norm_kernel(
         X, Y, BIAS, LS, W, NB, XO, HO, C, eps,
         HAS_BIAS: tl.constexpr, HAS_NB: tl.constexpr, RMS: tl.constexpr, BLOCK_C: tl.constexpr,
+        SHIFT: tl.constexpr = False,
     ):  # fmt: skip
+        """SHIFT: Y is one [C] vector added to every row (no bias, no layer scale), and x + y is not stored."""
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK_C)
         m = cols < C
         off = row * C + cols
-        y = tl.load(Y + off, mask=m, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            y = y + tl.load(BIAS + cols, mask=m, other=0.0).to(tl.float32)
-        ls = tl.load(LS + cols, mask=m, other=0.0).to(tl.float32)
-        x = tl.load(X + off, mask=m, other=0.0).to(tl.float32) + ls * y
-        # stored rounded; the norm below reads the fp32 sum, as Inductor's kernel does
-        tl.store(XO + off, x.to(XO.dtype.element_ty), mask=m)
+        if SHIFT:
+            x = tl.load(X + off, mask=m, other=0.0).to(tl.float32) + tl.load(Y + cols, mask=m, other=0.0)
+        else:
+            y = tl.load(Y + off, mask=m, other=0.0).to(tl.float32)
+            if HAS_BIAS:
+                y = y + tl.load(BIAS + cols, mask=m, other=0.0).to(tl.float32)
+            ls = tl.load(LS + cols, mask=m, other=0.0).to(tl.float32)
+            x = tl.load(X + off, mask=m, other=0.0).to(tl.float32) + ls * y
+            # stored rounded; the norm below reads the fp32 sum, as Inductor's kernel does
+            tl.store(XO + off, x.to(XO.dtype.element_ty), mask=m)
         w = tl.load(W + cols, mask=m, other=0.0).to(tl.float32)
         if RMS:
             n = x * tl.rsqrt(tl.sum(x * x, axis=0) / C + eps)
@@ -105,6 +110,52 @@ def residual_norm(
 @residual_norm.register_fake
 def _(x, y, bias, ls, w, nb, eps, rms):
     return torch.empty_like(x), torch.empty_like(x)
+
+
+def shifted_norm_reference(
+    x: Tensor, shift: Tensor, w: Tensor, nb: Tensor | None, eps: float, rms: bool
+) -> Tensor:
+    """x [M, C], shift [C] fp32 -> norm(x + shift), the sum kept in fp32 (as `residual_norm`'s norm reads it)."""
+    xf = x.float() + shift
+    if rms:
+        return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return F.layer_norm(xf, (x.shape[-1],), w.float(), nb.float() if nb is not None else None, eps).to(
+        x.dtype
+    )
+
+
+@torch.library.custom_op("batchvl::shifted_norm", mutates_args=())
+def shifted_norm(x: Tensor, shift: Tensor, w: Tensor, nb: Tensor | None, eps: float, rms: bool) -> Tensor:
+    """x [M, C] (contiguous rows), shift [C] fp32 -> norm(x + shift): one read of x, one write of the result."""
+    if not _use_triton(x):
+        return shifted_norm_reference(x, shift, w, nb, eps, rms)
+    x = x.contiguous()
+    M, C = x.shape
+    ho = torch.empty_like(x)
+    block = triton.next_power_of_2(C)
+    _residual_norm_kernel[(M,)](
+        x, shift, x, x, w, nb if nb is not None else w, x, ho, C, eps,
+        HAS_BIAS=False, HAS_NB=nb is not None, RMS=rms, BLOCK_C=block, SHIFT=True,
+        num_warps=min(16, max(4, block // 256)),
+    )  # fmt: skip
+    return ho
+
+
+@shifted_norm.register_fake
+def _(x, shift, w, nb, eps, rms):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("batchvl::addmm_into", mutates_args=("x",))
+def addmm_into(x: Tensor, a: Tensor, w: Tensor) -> None:
+    """x += a @ w^T in place: cuBLAS reads x as its C and writes the result over it (no copy of x first, which
+    out-of-place addmm makes). x [M, N], a [M, K], w [N, K]."""
+    x.addmm_(a, w.t())
+
+
+@addmm_into.register_fake
+def _(x, a, w):
+    return None
 
 
 def norm_params(norm: torch.nn.Module) -> tuple[Tensor, Tensor | None, float, bool]:

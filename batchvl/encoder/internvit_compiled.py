@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from batchvl.encoder.fused_norm import norm_params, residual_norm
+from batchvl.encoder.fused_norm import addmm_into, norm_params, residual_norm, shifted_norm
 from batchvl.encoder.internvit import (
     InternViTEmbeddings,
     InternViTLayer,
@@ -112,6 +112,59 @@ def fast_layer_fused(
         return x.view(B, T, C), x.view(B, T, C)
     x, h = residual_norm(x, y, m.fc2.bias, layer.ls2, *norm_params(next_norm))
     return x.view(B, T, C), h.view(B, T, C)
+
+
+def fast_layer_inplace(
+    layer: InternViTLayer, x: Tensor, h: Tensor, shift: Tensor, next_norm: nn.Module | None,
+    folded: tuple[Tensor, Tensor, Tensor, Tensor], gelu_epilogue: bool,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """`fast_layer` with each residual added by the GEMM itself, in place: the residual stream is x [M, C] plus a
+    column vector `shift` [C] (fp32) that collects the proj / fc2 biases times their layer scales, and the layer
+    scales live in the weights (`fold_scales`: ls1 * proj, ls2 * fc2, and those biases). Each step is then
+    `x += a @ (ls * w)^T` (cuBLAS reading x as its C) and one pass `h = norm(x + shift)`: two passes over [M, C]
+    fewer per residual than `fast_layer_fused`. Mutates x; returns (shift after this layer, next_norm's output)."""
+    B, T, C = h.shape
+    a, m = layer.attn, layer.mlp
+    w_proj, b_proj, w_fc2, b_fc2 = folded
+    addmm_into(x, a.mix(h).reshape(B * T, C), w_proj)
+    shift = shift + b_proj
+    h2 = shifted_norm(x, shift, *norm_params(layer.norm2))
+    addmm_into(x, mlp_hidden(m, h2.view(B, T, C), gelu_epilogue), w_fc2)
+    shift = shift + b_fc2
+    if next_norm is None:
+        return shift, h
+    return shift, shifted_norm(x, shift, *norm_params(next_norm)).view(B, T, C)
+
+
+def fold_scales(enc: VisionEncoder) -> list[tuple[Tensor, Tensor, Tensor, Tensor]]:
+    """Per layer (ls1 * proj.weight, ls1 * proj.bias in fp32, ls2 * fc2.weight, ls2 * fc2.bias in fp32), each scale
+    multiplying its linear's output rows; weights rounded once to their dtype (a copy of proj and fc2)."""
+    out = []
+    for layer in enc.vit.layers:
+        p, f = layer.attn.proj, layer.mlp.fc2
+        ls1, ls2 = layer.ls1.detach().float(), layer.ls2.detach().float()
+        out.append((
+            (ls1[:, None] * p.weight.detach().float()).to(p.weight.dtype), ls1 * p.bias.detach().float(),
+            (ls2[:, None] * f.weight.detach().float()).to(f.weight.dtype), ls2 * f.bias.detach().float(),
+        ))  # fmt: skip
+    return out
+
+
+def fast_forward_inplace(
+    enc: VisionEncoder, pixel_values: Tensor, folded: list, embed: Callable = fast_embed,
+    layer_fn: Callable = fast_layer_inplace, head: Callable | None = None, gelu_epilogue: bool = False,
+) -> Tensor:  # fmt: skip
+    """`fast_forward` through `fast_layer_inplace` (folded = `fold_scales(enc)`)."""
+    layers = enc.vit.layers
+    x, h = embed(enc.vit.embeddings, layers[0].norm1, pixel_values)  # [B, 1+N, C] x2
+    B, T, C = x.shape
+    x = x.reshape(B * T, C)  # the residual stream (a fresh tensor), written in place from here on
+    shift = torch.zeros(C, device=x.device, dtype=torch.float32)
+    for i, layer in enumerate(layers):
+        nxt = layers[i + 1].norm1 if i + 1 < len(layers) else None
+        shift, h = layer_fn(layer, x, h, shift, nxt, folded[i], gelu_epilogue)
+    x = (x.float() + shift).to(x.dtype).view(B, T, C)
+    return (head or fast_head)(enc.projector, x, enc.cfg.downsample_ratio)  # [B, num_image_token, H]
 
 
 def fast_head(projector: Projector, x: Tensor, ratio: float) -> Tensor:
@@ -291,6 +344,8 @@ class CompiledEncoder:
     attn_backend: the SDPA backend tried first ("cudnn" measured fastest at these shapes on an H200; the others
     are the fallback). gelu_epilogue: fc1 + GELU as one cuBLASLt GEMM (module docstring); off: exact GELU in Inductor.
     fused_norm: residual + layer scale + next norm as one Triton pass per row (`fused_norm.residual_norm`).
+    inplace_residual: instead, each residual added by its GEMM in place (`fast_layer_inplace`); keeps a copy of the
+    proj and fc2 weights with the layer scales folded in (plain Linear layers only).
     """
 
     def __init__(
@@ -304,6 +359,7 @@ class CompiledEncoder:
         cache_dir: str | None = None,
         gelu_epilogue: bool = True,
         fused_norm: bool = True,
+        inplace_residual: bool = False,
     ) -> None:
         self.enc, self.dynamic, self.attn_backend = enc, dynamic, attn_backend
         self.gelu_epilogue, self.fused_norm = gelu_epilogue, fused_norm
@@ -312,8 +368,14 @@ class CompiledEncoder:
         # fast_layer: with/without next norm per bucket, and room to spare: a hit limit fails hard (fullgraph)
         _raise_recompile_limit(4 * len(self.buckets))
         opts = dict(**compile_kwargs(mode), dynamic=dynamic, fullgraph=True)
+        self.folded = None
+        if inplace_residual:
+            lins = [m for layer in enc.vit.layers for m in (layer.attn.proj, layer.mlp.fc1, layer.mlp.fc2)]
+            if not all(type(m) is nn.Linear for m in lins):
+                raise ValueError("inplace_residual needs plain Linear layers (not FP8)")
+            self.folded = fold_scales(enc)
         self.embed = torch.compile(fast_embed, **opts)
-        self.layer = torch.compile(fast_layer, **opts)
+        self.layer = torch.compile(fast_layer_inplace if inplace_residual else fast_layer, **opts)
         self.head = torch.compile(fast_head, **opts)
 
     def _run(self, px: Tensor) -> Tensor:
@@ -321,6 +383,10 @@ class CompiledEncoder:
         # engine call under inference_mode would otherwise compile every bucket twice
         with torch.inference_mode(), sdpa_context(self.attn_backend, px.device):
             px = px if px.is_inference() else px.clone()
+            if self.folded is not None:
+                return fast_forward_inplace(
+                    self.enc, px, self.folded, self.embed, self.layer, self.head, self.gelu_epilogue
+                )
             return fast_forward(
                 self.enc, px, self.embed, self.layer, self.head, self.gelu_epilogue, self.fused_norm
             )
