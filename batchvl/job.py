@@ -82,6 +82,7 @@ class EngineSpec:
     vit_compile_mode: str = "default"
     vit_gelu_epilogue: bool = True
     vit_fused_norm: bool = True
+    vit_inplace_residual: bool = False
     vit_fp8: bool = False
     vit_mode: str = "auto"
     vit_splits: int = 2

@@ -131,6 +131,7 @@ def vision_encoder(model: Any, cfg: InternVLConfig, ecfg: Any, ctx: dist.DistCon
             max_tiles=ecfg.max_vit_tiles,
             gelu_epilogue=ecfg.vit_gelu_epilogue,
             fused_norm=ecfg.vit_fused_norm,
+            inplace_residual=ecfg.vit_inplace_residual,
         )
         if ecfg.compile_vit
         else None

@@ -139,3 +139,27 @@ def test_shifted_norm_kernel_in_the_interpreter() -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0 and "ok" in p.stdout, p.stderr[-3000:]
+
+
+def test_job_option_reaches_the_encoder() -> None:
+    """`engine.vit_inplace_residual` builds the in-place encoder (and refuses FP8 layers with a clear error)."""
+    import types
+
+    from batchvl.engine import EngineConfig
+    from batchvl.runner import vision_encoder
+
+    enc, _ = build_pair("300m")
+    encode = vision_encoder(
+        types.SimpleNamespace(vision=enc), enc.cfg, EngineConfig(vit_inplace_residual=True), None
+    )
+    assert encode.folded is not None and len(encode.folded) == len(enc.vit.layers)
+    px = torch.randn(2, 3, 112, 112)
+    with torch.no_grad():
+        torch.testing.assert_close(encode(px), enc(px), atol=ATOL, rtol=RTOL)
+    with pytest.raises(ValueError, match="inplace_residual"):
+        vision_encoder(
+            types.SimpleNamespace(vision=enc),
+            enc.cfg,
+            EngineConfig(vit_inplace_residual=True, vit_fp8=True),
+            None,
+        )
