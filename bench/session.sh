@@ -25,7 +25,8 @@ s9)  # session 9: the ViTs with norms / residuals / GELU in Triton GEMM epilogue
     | grep -E '^\||rel. error|tiles/s|Error|error'
   timeout 190 python3 bench/probe.py tma 2>&1 | tee "$out/probe_tma.log" | grep -E '^\||^  |Error|error'
   timeout 90 python3 bench/probe.py inplace 2>&1 | tee "$out/probe_inplace.log" | grep -E '^\||^  |Error|error' ;;
-tma)  # not run yet (written in session 8 after its device time was spent): can a persistent TMA Triton GEMM reach
+tma)  # ran once, in s9 at 5c5987d, up to its second row (a config too large for the epilogue; fixed in d5ab4b7,
+  # not re-run): can a persistent TMA Triton GEMM reach
   # cuBLAS at the ViT's and the 8B LLM's shapes: plain, with the residual + layer-scale epilogue, with an RMSNorm
   # prologue (A tiles normalized on load)? (~4 min)
   timeout 400 python3 bench/probe.py tma 2>&1 | tee "$out/probe_tma.log" | grep -E '^\||^  |Error|error' ;;

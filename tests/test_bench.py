@@ -102,7 +102,8 @@ def test_probe_tma_gemm_in_the_interpreter():
     """The persistent TMA GEMM `probe.py tma` times (TRITON_INTERPRET=1 runs it on CPU): equal to the product, with
     its epilogue to resid + ls * (product + bias) (and that result's row sums and sums of squares), with its norm
     prologue to (a * rstd * nw) @ w^T, with a LayerNorm folded into w and the epilogue (and GELU) to the linear of the
-    normed input; fp32 tightly and fp16 within fp16's rounding; M and N not multiples of the tiles, fewer programs than tiles (each walks several)."""
+    normed input; fp32 tightly and fp16 within fp16's rounding; M and N not multiples of the tiles, fewer programs
+    than tiles (each walks several)."""
     pytest.importorskip("triton")
     code = textwrap.dedent(
         """

@@ -152,10 +152,11 @@ def test_job_option_reaches_the_encoder() -> None:
     encode = vision_encoder(
         types.SimpleNamespace(vision=enc), enc.cfg, EngineConfig(vit_inplace_residual=True), None
     )
-    assert encode.folded is not None and len(encode.folded) == len(enc.vit.layers)
+    assert encode.inplace_residual and encode.folded is None  # folded on the first call
     px = torch.randn(2, 3, 112, 112)
     with torch.no_grad():
         torch.testing.assert_close(encode(px), enc(px), atol=ATOL, rtol=RTOL)
+    assert len(encode.folded) == len(enc.vit.layers)
     with pytest.raises(ValueError, match="inplace_residual"):
         vision_encoder(
             types.SimpleNamespace(vision=enc),

@@ -370,12 +370,12 @@ class CompiledEncoder:
         # fast_layer: with/without next norm per bucket, and room to spare: a hit limit fails hard (fullgraph)
         _raise_recompile_limit(4 * len(self.buckets))
         opts = dict(**compile_kwargs(mode), dynamic=dynamic, fullgraph=True)
-        self.folded = None
+        self.inplace_residual = inplace_residual
+        self.folded = None  # `fold_scales`, on the first call
         if inplace_residual:
             lins = [m for layer in enc.vit.layers for m in (layer.attn.proj, layer.mlp.fc1, layer.mlp.fc2)]
             if not all(type(m) is nn.Linear for m in lins):
                 raise ValueError("inplace_residual needs plain Linear layers (not FP8)")
-            self.folded = fold_scales(enc)
         self.embed = torch.compile(fast_embed, **opts)
         self.layer = torch.compile(fast_layer_inplace if inplace_residual else fast_layer, **opts)
         self.head = torch.compile(fast_head, **opts)
@@ -385,7 +385,9 @@ class CompiledEncoder:
         # engine call under inference_mode would otherwise compile every bucket twice
         with torch.inference_mode(), sdpa_context(self.attn_backend, px.device):
             px = px if px.is_inference() else px.clone()
-            if self.folded is not None:
+            if self.inplace_residual:
+                if self.folded is None:  # not in __init__: an encoder built but unused costs nothing
+                    self.folded = fold_scales(self.enc)
                 return fast_forward_inplace(
                     self.enc, px, self.folded, self.embed, self.layer, self.head, self.gelu_epilogue
                 )
