@@ -96,6 +96,13 @@ def main() -> int:
                     name = f"ViT+projector compiled ({backend}, gelu epilogue {epi}) bf16 vs fp32"
                     name = name.replace(") bf16", ", fused residual norm) bf16") if fused else name
                     rows.append((preset, name, rel(fc.reshape(f32.shape), f32)))
+                # residuals added by the GEMMs in place (opt-in, engine.vit_inplace_residual)
+                ip = compile_encoder(
+                    fast.vision, attn_backend="cudnn", gelu_epilogue=True, inplace_residual=True
+                )
+                name = "ViT+projector compiled (cudnn, gelu epilogue True, in-place residual) bf16 vs fp32"
+                rows.append((preset, name, rel(ip(pv.to(torch.bfloat16)).reshape(f32.shape), f32)))
+                del ip
                 # FP8 layer linears (opt-in, engine.vit_fp8): an accuracy trade, reported, not held to 1e-2
                 from batchvl.encoder.fp8 import fp8_vit
 
