@@ -3,21 +3,17 @@ Triton's interpreter on CPU), and the compiled encoder with it against the eager
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
+from test_bench import _run_interpreted
 from test_internvit import build_pair
 
 from batchvl.encoder.fused_norm import norm_params, residual_norm
 from batchvl.encoder.internvit import RMSNorm
 from batchvl.encoder.internvit_compiled import compile_encoder, fast_forward
 
-REPO = Path(__file__).resolve().parents[1]
 ATOL, RTOL = 1e-5, 1e-4
 
 
@@ -68,9 +64,7 @@ def test_triton_kernel_in_the_interpreter() -> None:
         print("ok", worst)
         """
     )
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0 and "ok" in p.stdout, p.stderr[-3000:]
+    _run_interpreted(code)
 
 
 @pytest.mark.parametrize("vision", ["6b", "300m"])
@@ -136,9 +130,7 @@ def test_shifted_norm_kernel_in_the_interpreter() -> None:
         print("ok")
         """
     )
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0 and "ok" in p.stdout, p.stderr[-3000:]
+    _run_interpreted(code)
 
 
 def test_job_option_reaches_the_encoder() -> None:
