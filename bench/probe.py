@@ -16,6 +16,7 @@
     python bench/probe.py padded  # LLM prefill attention: one batched cuDNN call over right-padded sequences vs
                                   # per sequence; fp32 logits from the bf16 GEMM (mm out_dtype)
     python bench/probe.py cls     # ViT attention at T = 1025 vs 1024, and the CLS token out of the fused call
+    python bench/probe.py vitattn # the Triton ViT attention (CLS-aware, qk-norm folded) vs Inductor + cuDNN
     python bench/probe.py llm-layer  # one compiled 8B decoder layer over the seed job's first batch: its kernels
     python bench/probe.py perseq  # per-sequence cuDNN prefill attention: a copy per sequence vs one cat (8B batch)
     python bench/probe.py tma     # a persistent TMA Triton GEMM vs cuBLAS, plain and with the residual epilogue
@@ -1138,6 +1139,63 @@ def inplace() -> None:
             f"{t_ip - t_mm:.3f}", f"{M * N * 2 / 3.5e9:.3f}", f"{err:.1e}")  # fmt: skip
 
 
+def vitattn(tiles: int = 64) -> None:
+    """`encoder/vit_attention.py`'s Triton kernel (CLS key as a rank-one step, the CLS query split into partials,
+    6B: q/k RMSNorm folded in) against the compiled layer's way (Inductor's q/k RMSNorm + cuDNN SDPA) and cuDNN
+    alone, over the same qkv rows, for each candidate (BLOCK_M, BLOCK_N, warps, stages)."""
+    cands = {64: [(128, 128, 8, 3), (128, 64, 4, 3), (128, 128, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3),
+                  (128, 128, 8, 2), (64, 128, 4, 3)],
+             128: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2),
+                   (128, 64, 8, 2), (64, 128, 4, 2)]}  # fmt: skip
+    for preset in ("internvl2_5-38b", "internvl2_5-8b"):
+        _vitattn_preset(preset, tiles, cands)
+        torch._dynamo.reset()
+
+
+def _vitattn_preset(preset: str, tiles: int, cands: dict) -> None:
+    from triton.testing import do_bench
+
+    from batchvl.encoder.vit_attention import _vit_attention_triton, vit_attention_reference
+
+    v_ = from_preset(preset).vision
+    B, H, D, T = tiles, v_.num_heads, v_.head_dim, v_.num_patches + 1
+    C, scale, eps = H * D, v_.head_dim**-0.5, v_.layer_norm_eps
+    qkv = torch.randn(B * T, 3 * C, device=DEV, dtype=DT)
+    wq = wk = None
+    if v_.qk_normalization:
+        wq, wk = ((1 + 0.2 * torch.randn(C, device=DEV)).to(DT) for _ in range(2))
+    wf = (wq.float(), wk.float()) if wq is not None else (None, None)
+    ref = vit_attention_reference(qkv.float(), T, H, scale, *wf, eps)
+    flop = 4 * B * H * T * T * D
+    print(f"\n## {preset} vision attention, {tiles} tiles, {H} heads x {D}, qk-norm {wq is not None}\n")
+    row("variant", "ms", "TFLOP/s (T^2)", "rel err vs fp32")
+    row(*["---"] * 4)
+
+    def report(name, fn):
+        try:
+            with torch.inference_mode():
+                out = fn()
+                err = float((out.float() - ref).norm() / ref.norm())
+                ms = do_bench(fn, return_mode="median")
+            row(name, f"{ms:.3f}", f"{flop / ms / 1e9:.0f}", f"{err:.2e}")
+        except Exception as ex:  # noqa: BLE001
+            row(name, f"{type(ex).__name__}: {str(ex)[:300]}", "-", "-")
+
+    cf = torch.compile(vit_attention_reference, fullgraph=True)
+    q, k, v = (t.view(B, T, H, D).transpose(1, 2) for t in qkv.chunk(3, dim=-1))
+    with sdpa_context("cudnn", DEV):
+        report("compiled layer's way (Inductor qk-norm + cuDNN)", lambda: cf(qkv, T, H, scale, wq, wk, eps))
+        report("cuDNN SDPA alone (views, no qk-norm)",
+               lambda: F.scaled_dot_product_attention(q, k, v, scale=scale).transpose(1, 2).reshape(B * T, C))  # fmt: skip
+    if wq is not None:
+        qs, ks = qkv[:, :C], qkv[:, C : 2 * C]
+        ms = do_bench(lambda: [torch.linalg.vector_norm(t, dim=-1, dtype=torch.float32) for t in (qs, ks)],
+                      return_mode="median")  # fmt: skip
+        row("  of which: the two rstd reductions (Triton path)", f"{ms:.3f}", "-", "-")
+    for cfg in cands[D]:
+        report(f"triton {cfg}", lambda cfg=cfg: _vit_attention_triton(qkv, T, H, scale, wq, wk, eps, cfg))
+
+
 def vit300() -> None:
     vit(presets=("internvl2_5-8b",), tuned=False)
 
@@ -1146,6 +1204,7 @@ if __name__ == "__main__":
     torch.manual_seed(0)
     {
         "cls": cls,
+        "vitattn": vitattn,
         "tma": tma,
         "inplace": inplace,
         "perseq": perseq,

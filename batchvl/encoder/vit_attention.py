@@ -1,0 +1,200 @@
+"""InternViT self-attention as one Triton kernel that knows the CLS token: `vit_attention(qkv, ...)`.
+
+A tile is T = 1 + 1024 tokens (a CLS token, then 32 x 32 patches). SDPA kernels tile the keys in blocks of 64-128,
+so the 1025th key costs a whole block: on an H200 at 64 tiles cuDNN took 1.959 ms at 6B shapes with 1025 keys
+against 1.524 with 1024 (21%), 0.868 against 0.710 at 300M (bench/RESULTS.md, session 8). Taking the CLS key out
+around SDPA needed a pass over q and o that cost as much as it saved. Here it is inside the kernel:
+
+- each program takes BLOCK_M patch queries of one (tile, head), starts its online softmax from the CLS key (a rank-
+  one step on CUDA cores: running max = that score, sum = 1, output = v_cls), then runs the 1024 patch keys in
+  full blocks, with no masking;
+- the CLS query is split over the same programs: program i scores it against its own BLOCK_M patch keys (and
+  program 0 against the CLS key) and writes a partial (max, sum, output); a small kernel merges the partials;
+- the 6B's full-width q/k RMSNorm is folded in: the op reads the raw qkv rows and the two per-row rstd vectors
+  (one reduction each), q is multiplied by `q_norm.weight * k_norm.weight` once per program, and each score is
+  scaled by rstd_q[i] * rstd_k[j]; the normalized q and k are never written.
+
+Registered with `torch.library` plus a fake implementation, so a compiled layer traces it as one node. It runs the
+kernel on CUDA for bf16 / fp16 when T - 1 divides into its blocks and head_dim is 64 or 128; otherwise (CPU, other
+shapes) `vit_attention_reference`, the eager layer's own sums (RMSNorm, then SDPA).
+Numerics: q * (w_q * w_k) is rounded once to the activation dtype (the eager path rounds q * rstd, then w_q * that,
+and k likewise); the scores are fp32, as in any flash kernel.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from batchvl.encoder.fused_norm import _interpreting
+from batchvl.encoder.internvit import rms_norm
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the op runs the reference
+    triton = None
+
+
+def vit_attention_reference(
+    qkv: Tensor, T: int, H: int, scale: float, wq: Tensor | None, wk: Tensor | None, eps: float
+) -> Tensor:
+    """qkv [B*T, 3C] (q | k | v columns) -> heads' outputs [B*T, C], as `InternViTAttention.mix` computes them."""
+    M, C3 = qkv.shape
+    B, C = M // T, C3 // 3
+    q, k, v = qkv.view(B, T, C3).chunk(3, dim=-1)  # 3 x [B, T, C]
+    if wq is not None:
+        q, k = rms_norm(q, wq, eps), rms_norm(k, wk, eps)
+    q, k, v = (t.reshape(B, T, H, C // H).transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
+    o = F.scaled_dot_product_attention(q, k, v, scale=scale)  # [B, H, T, D]
+    return o.transpose(1, 2).reshape(M, C)
+
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per head_dim; bench/probe.py `vitattn` times the candidates
+CONFIGS = {64: (128, 128, 8, 3), 128: (128, 64, 8, 3)}
+
+if triton is not None:
+
+    @triton.jit
+    def _vit_attn_kernel(
+        QKV, OUT, RQ, RK, G, PM, PL, PA, T, H, C, stride_row, qk_scale,
+        NORM: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):  # fmt: skip
+        pid_m = tl.program_id(0)  # which BLOCK_M patch queries (and patch keys, for the CLS query's partial)
+        bh = tl.program_id(1)
+        nq = tl.num_programs(0)
+        b, h = bh // H, bh % H
+        base = (b * T).to(tl.int64)  # the tile's CLS row
+        d = tl.arange(0, D)
+        qcol, kcol, vcol = h * D + d, C + h * D + d, 2 * C + h * D + d  # [D] columns of q, k, v
+        rows = base + 1 + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] this program's patch rows
+        q = tl.load(QKV + rows[:, None] * stride_row + qcol[None, :])  # [BLOCK_M, D]
+        q0 = tl.load(QKV + base * stride_row + qcol).to(tl.float32)  # [D] the CLS query
+        k0 = tl.load(QKV + base * stride_row + kcol).to(tl.float32)  # [D] the CLS key
+        v0 = tl.load(QKV + base * stride_row + vcol).to(tl.float32)  # [D]
+        if NORM:
+            g = tl.load(G + qcol)  # [D] fp32, w_q * w_k
+            q = (q.to(tl.float32) * g[None, :]).to(QKV.dtype.element_ty)
+            q0 = q0 * g
+            qs = tl.load(RQ + rows) * qk_scale  # [BLOCK_M] per-query score scale (log2 domain)
+            qs0 = tl.load(RQ + base) * qk_scale
+            rk0 = tl.load(RK + base)
+        else:
+            qs = tl.zeros([BLOCK_M], tl.float32) + qk_scale
+            qs0 = qk_scale
+            rk0 = 1.0
+        # the CLS key first, a rank-one step: the running max is its score, the sum 1, the output v_cls
+        m_i = tl.sum(q.to(tl.float32) * k0[None, :], axis=1) * qs * rk0  # [BLOCK_M]
+        l_i = tl.zeros([BLOCK_M], tl.float32) + 1.0
+        acc = tl.zeros([BLOCK_M, D], tl.float32) + v0[None, :]
+        for j in range(0, T - 1, BLOCK_N):  # the patch keys, full blocks
+            krows = base + 1 + j + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+            k = tl.load(QKV + krows[:, None] * stride_row + kcol[None, :])  # [BLOCK_N, D]
+            s = tl.dot(q, tl.trans(k)) * qs[:, None]  # [BLOCK_M, BLOCK_N] fp32
+            if NORM:
+                s = s * tl.load(RK + krows)[None, :]
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            p = tl.math.exp2(s - m_new[:, None])
+            alpha = tl.math.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(QKV + krows[:, None] * stride_row + vcol[None, :])  # [BLOCK_N, D]
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+            m_i = m_new
+        tl.store(OUT + rows[:, None] * C + qcol[None, :], (acc / l_i[:, None]).to(OUT.dtype.element_ty))
+
+        # the CLS query against this program's BLOCK_M patch keys (program 0: and the CLS key): one partial
+        kc = tl.load(QKV + rows[:, None] * stride_row + kcol[None, :]).to(tl.float32)  # [BLOCK_M, D]
+        s0 = tl.sum(kc * q0[None, :], axis=1) * qs0  # [BLOCK_M]
+        if NORM:
+            s0 = s0 * tl.load(RK + rows)
+        s00 = tl.where(pid_m == 0, tl.sum(q0 * k0, axis=0) * qs0 * rk0, float("-inf"))
+        mp = tl.maximum(tl.max(s0, axis=0), s00)
+        p0 = tl.math.exp2(s0 - mp)
+        e00 = tl.math.exp2(s00 - mp)
+        vc = tl.load(QKV + rows[:, None] * stride_row + vcol[None, :]).to(tl.float32)  # [BLOCK_M, D]
+        part = bh * nq + pid_m
+        tl.store(PM + part, mp)
+        tl.store(PL + part, tl.sum(p0, axis=0) + e00)
+        tl.store(PA + part * D + d, tl.sum(p0[:, None] * vc, axis=0) + e00 * v0)
+
+    @triton.jit
+    def _cls_merge_kernel(PM, PL, PA, OUT, T, H, C, NQ: tl.constexpr, D: tl.constexpr):
+        """One program per (tile, head): the CLS query's output from its NQ partials."""
+        bh = tl.program_id(0)
+        b, h = bh // H, bh % H
+        i = tl.arange(0, NQ)
+        d = tl.arange(0, D)
+        m = tl.load(PM + bh * NQ + i)  # [NQ]
+        w = tl.math.exp2(m - tl.max(m, axis=0))
+        l = tl.sum(tl.load(PL + bh * NQ + i) * w, axis=0)  # noqa: E741
+        a = tl.load(PA + (bh * NQ + i)[:, None] * D + d[None, :])  # [NQ, D]
+        o = tl.sum(a * w[:, None], axis=0) / l
+        tl.store(OUT + (b * T).to(tl.int64) * C + h * D + d, o.to(OUT.dtype.element_ty))
+
+
+def kernel_config(qkv: Tensor, T: int, H: int) -> tuple[int, int, int, int] | None:
+    """The kernel's (BLOCK_M, BLOCK_N, warps, stages) for this call, or None where the reference runs."""
+    if triton is None or qkv.dim() != 2 or qkv.shape[1] % (3 * H):
+        return None
+    if not ((qkv.is_cuda and qkv.dtype in (torch.bfloat16, torch.float16)) or _interpreting()):
+        return None
+    cfg = CONFIGS.get(qkv.shape[1] // (3 * H))
+    if (
+        cfg is None
+        or T < 2
+        or (T - 1) % cfg[0]
+        or (T - 1) % cfg[1]
+        or ((T - 1) // cfg[0]) & ((T - 1) // cfg[0] - 1)
+    ):
+        return None  # the CLS partials' count must be a power of two
+    return cfg
+
+
+@torch.library.custom_op("batchvl::vit_attention", mutates_args=())
+def vit_attention(
+    qkv: Tensor, T: int, H: int, scale: float, wq: Tensor | None, wk: Tensor | None, eps: float
+) -> Tensor:
+    """qkv [B*T, 3C] (the fused projection's rows: q | k | v, T = 1 CLS + patches per tile) -> [B*T, C].
+    wq, wk: the q/k RMSNorm weights over the full C (None: no qk-norm)."""
+    cfg = kernel_config(qkv, T, H)
+    if cfg is None:
+        return vit_attention_reference(qkv, T, H, scale, wq, wk, eps)
+    return _vit_attention_triton(qkv, T, H, scale, wq, wk, eps, cfg)
+
+
+@vit_attention.register_fake
+def _(qkv, T, H, scale, wq, wk, eps):
+    return qkv.new_empty(qkv.shape[0], qkv.shape[1] // 3)
+
+
+def _vit_attention_triton(
+    qkv: Tensor, T: int, H: int, scale: float, wq: Tensor | None, wk: Tensor | None, eps: float,
+    cfg: tuple[int, int, int, int],
+) -> Tensor:  # fmt: skip
+    block_m, block_n, warps, stages = cfg
+    if qkv.stride(1) != 1:
+        qkv = qkv.contiguous()
+    M, C3 = qkv.shape
+    C, B = C3 // 3, M // T
+    D, nq = C // H, (T - 1) // block_m
+    o = qkv.new_empty(M, C)
+    norm = wq is not None
+    if norm:  # per-row 1 / rms over the full C, read straight from the bf16 rows (fp32 sums)
+        rq, rk = (
+            torch.rsqrt(torch.linalg.vector_norm(t, dim=-1, dtype=torch.float32).square() / C + eps)
+            for t in (qkv[:, :C], qkv[:, C : 2 * C])
+        )
+        g = wq.float() * wk.float()
+    else:
+        rq = rk = g = o  # unused
+    pm = torch.empty(B * H, nq, device=qkv.device, dtype=torch.float32)
+    pl, pa = torch.empty_like(pm), torch.empty(B * H, nq, D, device=qkv.device, dtype=torch.float32)
+    _vit_attn_kernel[(nq, B * H)](
+        qkv, o, rq, rk, g, pm, pl, pa, T, H, C, qkv.stride(0), scale * math.log2(math.e),
+        NORM=norm, D=D, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    _cls_merge_kernel[(B * H,)](pm, pl, pa, o, T, H, C, NQ=nq, D=D)
+    return o
