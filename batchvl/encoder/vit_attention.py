@@ -60,18 +60,25 @@ if triton is not None:
 
     @triton.jit
     def _vit_attn_kernel(
-        QKV, OUT, RQ, RK, G, PM, PL, PA, T, H, C, stride_row, qk_scale,
+        QKV, OUT, RQ, RK, G, PM, PL, PA, T, H, C, stride_row, qk_scale, QDESC, KDESC,
         NORM: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        TMA: tl.constexpr = False, WS: tl.constexpr = False,
     ):  # fmt: skip
+        """TMA: q, k, v tiles loaded through the tensor descriptors QDESC ([BLOCK_M, D] boxes) and KDESC ([BLOCK_N, D])
+        over the qkv rows; WS: the key loop warp-specialized."""
         pid_m = tl.program_id(0)  # which BLOCK_M patch queries (and patch keys, for the CLS query's partial)
         bh = tl.program_id(1)
         nq = tl.num_programs(0)
         b, h = bh // H, bh % H
-        base = (b * T).to(tl.int64)  # the tile's CLS row
+        base32 = b * T  # the tile's CLS row (int32 for the descriptors' coordinates)
+        base = base32.to(tl.int64)
         d = tl.arange(0, D)
         qcol, kcol, vcol = h * D + d, C + h * D + d, 2 * C + h * D + d  # [D] columns of q, k, v
         rows = base + 1 + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] this program's patch rows
-        q = tl.load(QKV + rows[:, None] * stride_row + qcol[None, :])  # [BLOCK_M, D]
+        if TMA:
+            q = QDESC.load([base32 + 1 + pid_m * BLOCK_M, h * D])  # [BLOCK_M, D]
+        else:
+            q = tl.load(QKV + rows[:, None] * stride_row + qcol[None, :])  # [BLOCK_M, D]
         q0 = tl.load(QKV + base * stride_row + qcol).to(tl.float32)  # [D] the CLS query
         k0 = tl.load(QKV + base * stride_row + kcol).to(tl.float32)  # [D] the CLS key
         v0 = tl.load(QKV + base * stride_row + vcol).to(tl.float32)  # [D]
@@ -90,9 +97,12 @@ if triton is not None:
         m_i = tl.sum(q.to(tl.float32) * k0[None, :], axis=1) * qs * rk0  # [BLOCK_M]
         l_i = tl.zeros([BLOCK_M], tl.float32) + 1.0
         acc = tl.zeros([BLOCK_M, D], tl.float32) + v0[None, :]
-        for j in range(0, T - 1, BLOCK_N):  # the patch keys, full blocks
+        for j in tl.range(0, T - 1, BLOCK_N, warp_specialize=WS):  # the patch keys, full blocks
             krows = base + 1 + j + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-            k = tl.load(QKV + krows[:, None] * stride_row + kcol[None, :])  # [BLOCK_N, D]
+            if TMA:
+                k = KDESC.load([base32 + 1 + j, C + h * D])
+            else:
+                k = tl.load(QKV + krows[:, None] * stride_row + kcol[None, :])  # [BLOCK_N, D]
             s = tl.dot(q, tl.trans(k)) * qs[:, None]  # [BLOCK_M, BLOCK_N] fp32
             if NORM:
                 s = s * tl.load(RK + krows)[None, :]
@@ -100,7 +110,10 @@ if triton is not None:
             p = tl.math.exp2(s - m_new[:, None])
             alpha = tl.math.exp2(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(QKV + krows[:, None] * stride_row + vcol[None, :])  # [BLOCK_N, D]
+            if TMA:
+                v = KDESC.load([base32 + 1 + j, 2 * C + h * D])
+            else:
+                v = tl.load(QKV + krows[:, None] * stride_row + vcol[None, :])  # [BLOCK_N, D]
             acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
             m_i = m_new
         tl.store(OUT + rows[:, None] * C + qcol[None, :], (acc / l_i[:, None]).to(OUT.dtype.element_ty))
@@ -174,7 +187,8 @@ def _vit_attention_triton(
     qkv: Tensor, T: int, H: int, scale: float, wq: Tensor | None, wk: Tensor | None, eps: float,
     cfg: tuple[int, int, int, int],
 ) -> Tensor:  # fmt: skip
-    block_m, block_n, warps, stages = cfg
+    block_m, block_n, warps, stages = cfg[:4]
+    tma, ws = (cfg[4], cfg[5]) if len(cfg) > 4 else (False, False)
     if qkv.stride(1) != 1:
         qkv = qkv.contiguous()
     M, C3 = qkv.shape
@@ -192,9 +206,14 @@ def _vit_attention_triton(
         rq = rk = g = o  # unused
     pm = torch.empty(B * H, nq, device=qkv.device, dtype=torch.float32)
     pl, pa = torch.empty_like(pm), torch.empty(B * H, nq, D, device=qkv.device, dtype=torch.float32)
+    qd = kd = qkv
+    if tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        qd, kd = (TensorDescriptor.from_tensor(qkv, [b_, D]) for b_ in (block_m, block_n))
     _vit_attn_kernel[(nq, B * H)](
-        qkv, o, rq, rk, g, pm, pl, pa, T, H, C, qkv.stride(0), scale * math.log2(math.e),
-        NORM=norm, D=D, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
+        qkv, o, rq, rk, g, pm, pl, pa, T, H, C, qkv.stride(0), scale * math.log2(math.e), qd, kd,
+        NORM=norm, D=D, BLOCK_M=block_m, BLOCK_N=block_n, TMA=tma, WS=ws, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     _cls_merge_kernel[(B * H,)](pm, pl, pa, o, T, H, C, NQ=nq, D=D)
     return o
