@@ -60,11 +60,12 @@ if triton is not None:
 
     @triton.jit
     def _vit_attn_kernel(
-        QKV, OUT, RQ, RK, G, PM, PL, PA, T, H, C, stride_row, qk_scale, QDESC, KDESC,
+        QKV, OUT, RQ, RKS, G, PM, PL, PA, T, H, C, stride_row, qk_scale, QDESC, KDESC,
         NORM: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        TMA: tl.constexpr = False, WS: tl.constexpr = False,
+        TMA: tl.constexpr = False, WS: tl.constexpr = False, CLS: tl.constexpr = True,
     ):  # fmt: skip
-        """TMA: q, k, v tiles loaded through the tensor descriptors QDESC ([BLOCK_M, D] boxes) and KDESC ([BLOCK_N, D])
+        """RQ: rstd_q per row; RKS: rstd_k * scale * log2(e) per row; G: w_q * w_k (all fp32; NORM only).
+        TMA: q, k, v tiles loaded through the tensor descriptors QDESC ([BLOCK_M, D] boxes) and KDESC ([BLOCK_N, D])
         over the qkv rows; WS: the key loop warp-specialized."""
         pid_m = tl.program_id(0)  # which BLOCK_M patch queries (and patch keys, for the CLS query's partial)
         bh = tl.program_id(1)
@@ -82,32 +83,37 @@ if triton is not None:
         q0 = tl.load(QKV + base * stride_row + qcol).to(tl.float32)  # [D] the CLS query
         k0 = tl.load(QKV + base * stride_row + kcol).to(tl.float32)  # [D] the CLS key
         v0 = tl.load(QKV + base * stride_row + vcol).to(tl.float32)  # [D]
-        if NORM:
-            g = tl.load(G + qcol)  # [D] fp32, w_q * w_k
-            q = (q.to(tl.float32) * g[None, :]).to(QKV.dtype.element_ty)
-            q0 = q0 * g
-            qs = tl.load(RQ + rows) * qk_scale  # [BLOCK_M] per-query score scale (log2 domain)
-            qs0 = tl.load(RQ + base) * qk_scale
-            rk0 = tl.load(RK + base)
+        if NORM:  # q normalized and weighted (w_q * w_k), rounded once; the key side scales the scores
+            g = tl.load(G + qcol)  # [D] fp32
+            q = (q.to(tl.float32) * g[None, :] * tl.load(RQ + rows)[:, None]).to(QKV.dtype.element_ty)
+            q0 = q0 * g * tl.load(RQ + base)
+            ks0 = tl.load(RKS + base)  # rstd_k * scale * log2(e) of the CLS key
         else:
-            qs = tl.zeros([BLOCK_M], tl.float32) + qk_scale
-            qs0 = qk_scale
-            rk0 = 1.0
-        # the CLS key first, a rank-one step: the running max is its score, the sum 1, the output v_cls
-        m_i = tl.sum(q.to(tl.float32) * k0[None, :], axis=1) * qs * rk0  # [BLOCK_M]
-        l_i = tl.zeros([BLOCK_M], tl.float32) + 1.0
-        acc = tl.zeros([BLOCK_M, D], tl.float32) + v0[None, :]
+            ks0 = qk_scale
+        if (
+            CLS
+        ):  # the CLS key first, a rank-one step: the running max is its score, the sum 1, the output v_cls
+            m_i = tl.sum(q.to(tl.float32) * k0[None, :], axis=1) * ks0  # [BLOCK_M]
+            l_i = tl.zeros([BLOCK_M], tl.float32) + 1.0
+            acc = tl.zeros([BLOCK_M, D], tl.float32) + v0[None, :]
+        else:  # timing only (bench/probe.py): the patch keys alone
+            m_i = tl.zeros([BLOCK_M], tl.float32) - float("inf")
+            l_i = tl.zeros([BLOCK_M], tl.float32)
+            acc = tl.zeros([BLOCK_M, D], tl.float32)
         for j in tl.range(0, T - 1, BLOCK_N, warp_specialize=WS):  # the patch keys, full blocks
             krows = base + 1 + j + tl.arange(0, BLOCK_N)  # [BLOCK_N]
             if TMA:
                 k = KDESC.load([base32 + 1 + j, C + h * D])
             else:
                 k = tl.load(QKV + krows[:, None] * stride_row + kcol[None, :])  # [BLOCK_N, D]
-            s = tl.dot(q, tl.trans(k)) * qs[:, None]  # [BLOCK_M, BLOCK_N] fp32
+            s = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N] fp32
             if NORM:
-                s = s * tl.load(RK + krows)[None, :]
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            p = tl.math.exp2(s - m_new[:, None])
+                s = s * tl.load(RKS + krows)[None, :]
+                m_new = tl.maximum(m_i, tl.max(s, axis=1))
+                p = tl.math.exp2(s - m_new[:, None])
+            else:  # one FMA per score
+                m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
+                p = tl.math.exp2(s * qk_scale - m_new[:, None])
             alpha = tl.math.exp2(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, axis=1)
             if TMA:
@@ -118,20 +124,21 @@ if triton is not None:
             m_i = m_new
         tl.store(OUT + rows[:, None] * C + qcol[None, :], (acc / l_i[:, None]).to(OUT.dtype.element_ty))
 
-        # the CLS query against this program's BLOCK_M patch keys (program 0: and the CLS key): one partial
-        kc = tl.load(QKV + rows[:, None] * stride_row + kcol[None, :]).to(tl.float32)  # [BLOCK_M, D]
-        s0 = tl.sum(kc * q0[None, :], axis=1) * qs0  # [BLOCK_M]
-        if NORM:
-            s0 = s0 * tl.load(RK + rows)
-        s00 = tl.where(pid_m == 0, tl.sum(q0 * k0, axis=0) * qs0 * rk0, float("-inf"))
-        mp = tl.maximum(tl.max(s0, axis=0), s00)
-        p0 = tl.math.exp2(s0 - mp)
-        e00 = tl.math.exp2(s00 - mp)
-        vc = tl.load(QKV + rows[:, None] * stride_row + vcol[None, :]).to(tl.float32)  # [BLOCK_M, D]
-        part = bh * nq + pid_m
-        tl.store(PM + part, mp)
-        tl.store(PL + part, tl.sum(p0, axis=0) + e00)
-        tl.store(PA + part * D + d, tl.sum(p0[:, None] * vc, axis=0) + e00 * v0)
+        if (
+            CLS
+        ):  # the CLS query against this program's BLOCK_M patch keys (program 0: and the CLS key): a partial
+            kc = tl.load(QKV + rows[:, None] * stride_row + kcol[None, :]).to(tl.float32)  # [BLOCK_M, D]
+            s0 = tl.sum(kc * q0[None, :], axis=1)  # [BLOCK_M]
+            s0 = s0 * (tl.load(RKS + rows) if NORM else qk_scale)
+            s00 = tl.where(pid_m == 0, tl.sum(q0 * k0, axis=0) * ks0, float("-inf"))
+            mp = tl.maximum(tl.max(s0, axis=0), s00)
+            p0 = tl.math.exp2(s0 - mp)
+            e00 = tl.math.exp2(s00 - mp)
+            vc = tl.load(QKV + rows[:, None] * stride_row + vcol[None, :]).to(tl.float32)  # [BLOCK_M, D]
+            part = bh * nq + pid_m
+            tl.store(PM + part, mp)
+            tl.store(PL + part, tl.sum(p0, axis=0) + e00)
+            tl.store(PA + part * D + d, tl.sum(p0[:, None] * vc, axis=0) + e00 * v0)
 
     @triton.jit
     def _cls_merge_kernel(PM, PL, PA, OUT, T, H, C, NQ: tl.constexpr, D: tl.constexpr):
@@ -185,8 +192,10 @@ def _(qkv, T, H, scale, wq, wk, eps):
 
 def _vit_attention_triton(
     qkv: Tensor, T: int, H: int, scale: float, wq: Tensor | None, wk: Tensor | None, eps: float,
-    cfg: tuple[int, int, int, int],
+    cfg: tuple, cls: bool = True,
 ) -> Tensor:  # fmt: skip
+    """cfg: (BLOCK_M, BLOCK_N, warps, stages[, TMA, warp-specialized]); cls=False (timing only) leaves the CLS
+    token out: the patch rows then attend to the patch keys alone and row 0 is garbage."""
     block_m, block_n, warps, stages = cfg[:4]
     tma, ws = (cfg[4], cfg[5]) if len(cfg) > 4 else (False, False)
     if qkv.stride(1) != 1:
@@ -201,6 +210,7 @@ def _vit_attention_triton(
             torch.rsqrt(torch.linalg.vector_norm(t, dim=-1, dtype=torch.float32).square() / C + eps)
             for t in (qkv[:, :C], qkv[:, C : 2 * C])
         )
+        rk = rk * (scale * math.log2(math.e))
         g = wq.float() * wk.float()
     else:
         rq = rk = g = o  # unused
@@ -213,7 +223,8 @@ def _vit_attention_triton(
         qd, kd = (TensorDescriptor.from_tensor(qkv, [b_, D]) for b_ in (block_m, block_n))
     _vit_attn_kernel[(nq, B * H)](
         qkv, o, rq, rk, g, pm, pl, pa, T, H, C, qkv.stride(0), scale * math.log2(math.e), qd, kd,
-        NORM=norm, D=D, BLOCK_M=block_m, BLOCK_N=block_n, TMA=tma, WS=ws, num_warps=warps, num_stages=stages,
+        NORM=norm, D=D, BLOCK_M=block_m, BLOCK_N=block_n, TMA=tma, WS=ws, CLS=cls, num_warps=warps, num_stages=stages,
     )  # fmt: skip
-    _cls_merge_kernel[(B * H,)](pm, pl, pa, o, T, H, C, NQ=nq, D=D)
+    if cls:
+        _cls_merge_kernel[(B * H,)](pm, pl, pa, o, T, H, C, NQ=nq, D=D)
     return o
