@@ -66,6 +66,7 @@ class EngineConfig:
     vit_gelu_epilogue: bool = True  # compiled ViT: fc1 + GELU as one cuBLASLt GEMM (+3% 6B, +8% 300M on H200)
     vit_fused_norm: bool = True  # compiled ViT: residual + layer scale + norm, one Triton pass (+2-3%, H200)
     vit_inplace_residual: bool = False  # compiled ViT: residuals added in place by the GEMMs (+0.7-1.4%)
+    vit_triton_attention: bool = True  # compiled ViT: CLS-aware Triton attention where it has a config (300M)
     vit_fp8: bool = False  # ViT linears in FP8 e4m3 (encoder/fp8.py): opt-in, less accurate, tp 1 only
     compile_llm: bool | None = None  # regional torch.compile of the decoder layers; None: on CUDA only
     overlap_vit: bool = False  # run a batch's ViT on a side stream under the previous batch's decode (CUDA)

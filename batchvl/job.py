@@ -83,6 +83,7 @@ class EngineSpec:
     vit_gelu_epilogue: bool = True
     vit_fused_norm: bool = True
     vit_inplace_residual: bool = False
+    vit_triton_attention: bool = True
     vit_fp8: bool = False
     vit_mode: str = "auto"
     vit_splits: int = 2

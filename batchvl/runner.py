@@ -132,6 +132,7 @@ def vision_encoder(model: Any, cfg: InternVLConfig, ecfg: Any, ctx: dist.DistCon
             gelu_epilogue=ecfg.vit_gelu_epilogue,
             fused_norm=ecfg.vit_fused_norm,
             inplace_residual=ecfg.vit_inplace_residual,
+            triton_attn=ecfg.vit_triton_attention,
         )
         if ecfg.compile_vit
         else None

@@ -295,6 +295,10 @@ def run_model(name: str, args, dev: torch.device, dtype: torch.dtype, ceiling: f
         variants["ours-unfused-norm"] = compile_encoder(
             enc, mode=args.mode, buckets=buckets, attn_backend=backend, fused_norm=False
         )
+    if args.sdpa_attn:  # attention through SDPA only (engine.vit_triton_attention: false), same run
+        variants["ours-sdpa-attn"] = compile_encoder(
+            enc, mode=args.mode, buckets=buckets, attn_backend=backend, triton_attn=False
+        )
     if args.inplace_residual:  # residuals added by the GEMMs in place (internvit_compiled.fast_layer_inplace)
         variants["ours-inplace-residual"] = compile_encoder(
             enc, mode=args.mode, buckets=buckets, attn_backend=backend, inplace_residual=True
@@ -349,7 +353,7 @@ def run_model(name: str, args, dev: torch.device, dtype: torch.dtype, ceiling: f
             tps = base[vname] = b / sec
             fl = floors_fp8[b] if vname == "ours-fp8" else floors[b]  # each against its own floor
             mode = {"ours-compiled": args.mode, "ours-fp8": args.mode, f"ours-{args.vs_mode}": args.vs_mode,
-                    "ours-unfused-norm": args.mode, "ours-inplace-residual": args.mode,
+                    "ours-unfused-norm": args.mode, "ours-inplace-residual": args.mode, "ours-sdpa-attn": args.mode,
                     "hf-sdpa-compiled": args.hf_mode}.get(vname)  # fmt: skip
             row = dict(model=name, tiles=b, variant=vname, tiles_per_s=tps, ms=sec * 1e3, iters=iters,
                        floor_tiles_per_s=b / (fl["total_ms"] * 1e-3), floor_vit_tiles_per_s=b / (fl["vit_ms"] * 1e-3),
@@ -414,6 +418,11 @@ def main() -> None:
     )
     ap.add_argument(
         "--inplace-residual", action="store_true", help="also ours compiled with the residuals added in place"
+    )
+    ap.add_argument(
+        "--sdpa-attn",
+        action="store_true",
+        help="also ours compiled with SDPA attention only (no Triton kernel)",
     )
     ap.add_argument("--vs-mode", default="", help="also run ours compiled in this ViT compile mode")
     ap.add_argument(

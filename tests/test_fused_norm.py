@@ -145,10 +145,15 @@ def test_job_option_reaches_the_encoder() -> None:
         types.SimpleNamespace(vision=enc), enc.cfg, EngineConfig(vit_inplace_residual=True), None
     )
     assert encode.inplace_residual and encode.folded is None  # folded on the first call
+    assert encode.triton_attn  # engine.vit_triton_attention's default
     px = torch.randn(2, 3, 112, 112)
     with torch.no_grad():
         torch.testing.assert_close(encode(px), enc(px), atol=ATOL, rtol=RTOL)
     assert len(encode.folded) == len(enc.vit.layers)
+    off = vision_encoder(
+        types.SimpleNamespace(vision=enc), enc.cfg, EngineConfig(vit_triton_attention=False), None
+    )
+    assert not off.triton_attn
     with pytest.raises(ValueError, match="inplace_residual"):
         vision_encoder(
             types.SimpleNamespace(vision=enc),

@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from batchvl.encoder.fused_norm import addmm_into, norm_params, residual_norm, shifted_norm
 from batchvl.encoder.internvit import (
+    InternViTAttention,
     InternViTEmbeddings,
     InternViTLayer,
     InternViTMLP,
@@ -39,6 +40,7 @@ from batchvl.encoder.internvit import (
     VisionEncoder,
     vit_to_tokens,
 )
+from batchvl.encoder.vit_attention import kernel_config, vit_attention, vit_attention_reference
 
 # --------------------------------------------------------------------------- the fast forward (eager-callable)
 
@@ -81,6 +83,24 @@ def fast_mlp(mlp: InternViTMLP, x: Tensor) -> Tensor:
     return mlp.fc2(mlp_hidden(mlp, x, True)).view(B, T, -1)
 
 
+def fast_mix(attn: InternViTAttention, h: Tensor, triton_attn: bool) -> Tensor:
+    """attn.mix(h) as [B*T, C]. triton_attn: where `vit_attention`'s Triton kernel takes the shape (decided while
+    tracing: device, dtype, head_dim, T), one call of it over the qkv rows (CLS-aware, qk-norm folded in); elsewhere
+    the same sums as `mix` (q/k RMSNorm for Inductor to fuse, then SDPA)."""
+    B, T, C = h.shape
+    if not triton_attn:
+        return attn.mix(h).reshape(B * T, C)
+    qkv = attn.qkv(h).reshape(B * T, -1)  # [B*T, 3C]
+    H = qkv.shape[1] // 3 // attn.head_dim
+    wq, wk, eps = (
+        (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps)
+        if attn.qk_normalization
+        else (None, None, 0.0)
+    )
+    attend = vit_attention if kernel_config(qkv, T, H) is not None else vit_attention_reference
+    return attend(qkv, T, H, attn.head_dim**-0.5, wq, wk, eps)
+
+
 def fast_layer(
     layer: InternViTLayer,
     x: Tensor,
@@ -88,25 +108,29 @@ def fast_layer(
     next_norm: nn.Module | None,
     gelu_epilogue: bool = False,
     fused_norm: bool = False,
+    triton_attn: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """`layer(x)` given h = layer.norm1(x); also returns next_norm(x_out) (x_out itself after the last layer).
     fused_norm: the residual + layer scale + next norm steps through `fused_norm.residual_norm` (plain Linear
-    proj / fc2 only; FP8 layers take the other path)."""
+    proj / fc2 only; FP8 layers take the other path). triton_attn: see `fast_mix`."""
     if fused_norm and all(isinstance(m, nn.Linear) for m in (layer.attn.proj, layer.mlp.fc1, layer.mlp.fc2)):
-        return fast_layer_fused(layer, x, h, next_norm, gelu_epilogue)
-    x = x + layer.ls1 * layer.attn(h)  # one qkv GEMM, qk-norm over full C, SDPA, proj
+        return fast_layer_fused(layer, x, h, next_norm, gelu_epilogue, triton_attn)
+    x = x + layer.ls1 * layer.attn.proj(fast_mix(layer.attn, h, triton_attn)).view(
+        x.shape
+    )  # qkv GEMM, attn, proj
     h2 = layer.norm2(x)
     x = x + layer.ls2 * (fast_mlp(layer.mlp, h2) if gelu_epilogue else layer.mlp(h2))
     return x, (next_norm(x) if next_norm is not None else x)
 
 
 def fast_layer_fused(
-    layer: InternViTLayer, x: Tensor, h: Tensor, next_norm: nn.Module | None, gelu_epilogue: bool
-) -> tuple[Tensor, Tensor]:
+    layer: InternViTLayer, x: Tensor, h: Tensor, next_norm: nn.Module | None, gelu_epilogue: bool,
+    triton_attn: bool = False,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
     """`fast_layer` with each "x + ls * (y + bias), then norm" as one `residual_norm` pass over [B*T, C] rows."""
     B, T, C = x.shape
     a, m = layer.attn, layer.mlp
-    y = F.linear(a.mix(h).reshape(B * T, C), a.proj.weight)  # [B*T, C], bias added in the next pass
+    y = F.linear(fast_mix(a, h, triton_attn), a.proj.weight)  # [B*T, C], bias added in the next pass
     x, h2 = residual_norm(x.reshape(B * T, C), y, a.proj.bias, layer.ls1, *norm_params(layer.norm2))
     y = F.linear(mlp_hidden(m, h2.view(B, T, C), gelu_epilogue), m.fc2.weight)  # [B*T, C]
     if next_norm is None:
@@ -118,7 +142,7 @@ def fast_layer_fused(
 
 def fast_layer_inplace(
     layer: InternViTLayer, x: Tensor, h: Tensor, shift: Tensor, next_norm: nn.Module | None,
-    folded: tuple[Tensor, Tensor, Tensor, Tensor], gelu_epilogue: bool,
+    folded: tuple[Tensor, Tensor, Tensor, Tensor], gelu_epilogue: bool, triton_attn: bool = False,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """`fast_layer` with each residual added by the GEMM itself, in place: the residual stream is x [M, C] plus a
     column vector `shift` [C] (fp32) that collects the proj / fc2 biases times their layer scales, and the layer
@@ -128,7 +152,7 @@ def fast_layer_inplace(
     B, T, C = h.shape
     a, m = layer.attn, layer.mlp
     w_proj, b_proj, w_fc2, b_fc2 = folded
-    addmm_into(x, a.mix(h).reshape(B * T, C), w_proj)
+    addmm_into(x, fast_mix(a, h, triton_attn), w_proj)
     shift = shift + b_proj
     h2 = shifted_norm(x, shift, *norm_params(layer.norm2))
     addmm_into(x, mlp_hidden(m, h2.view(B, T, C), gelu_epilogue), w_fc2)
@@ -155,6 +179,7 @@ def fold_scales(enc: VisionEncoder) -> list[tuple[Tensor, Tensor, Tensor, Tensor
 def fast_forward_inplace(
     enc: VisionEncoder, pixel_values: Tensor, folded: list, embed: Callable = fast_embed,
     layer_fn: Callable = fast_layer_inplace, head: Callable | None = None, gelu_epilogue: bool = False,
+    triton_attn: bool = False,
 ) -> Tensor:  # fmt: skip
     """`fast_forward` through `fast_layer_inplace` (folded = `fold_scales(enc)`)."""
     layers = enc.vit.layers
@@ -164,7 +189,7 @@ def fast_forward_inplace(
     shift = torch.zeros(C, device=x.device, dtype=torch.float32)
     for i, layer in enumerate(layers):
         nxt = layers[i + 1].norm1 if i + 1 < len(layers) else None
-        shift, h = layer_fn(layer, x, h, shift, nxt, folded[i], gelu_epilogue)
+        shift, h = layer_fn(layer, x, h, shift, nxt, folded[i], gelu_epilogue, triton_attn)
     x = (x.float() + shift).to(x.dtype).view(B, T, C)
     return (head or fast_head)(enc.projector, x, enc.cfg.downsample_ratio)  # [B, num_image_token, H]
 
@@ -182,13 +207,14 @@ def fast_forward(
     head: Callable = fast_head,
     gelu_epilogue: bool = False,
     fused_norm: bool = False,
+    triton_attn: bool = False,
 ) -> Tensor:
     """The whole encoder through the fast pieces (pass compiled versions of them to run compiled)."""
     layers = enc.vit.layers
     x, h = embed(enc.vit.embeddings, layers[0].norm1, pixel_values)  # [B, 1+N, C] x2
     for i, layer in enumerate(layers):
         nxt = layers[i + 1].norm1 if i + 1 < len(layers) else None
-        x, h = layer_fn(layer, x, h, nxt, gelu_epilogue, fused_norm)
+        x, h = layer_fn(layer, x, h, nxt, gelu_epilogue, fused_norm, triton_attn)
     return head(enc.projector, x, enc.cfg.downsample_ratio)  # [B, num_image_token, H]
 
 
@@ -348,6 +374,7 @@ class CompiledEncoder:
     fused_norm: residual + layer scale + next norm as one Triton pass per row (`fused_norm.residual_norm`).
     inplace_residual: instead, each residual added by its GEMM in place (`fast_layer_inplace`); keeps a copy of the
     proj and fc2 weights with the layer scales folded in (plain Linear layers only).
+    triton_attn: attention through `vit_attention`'s CLS-aware Triton kernel where it has a config (`fast_mix`).
     """
 
     def __init__(
@@ -362,8 +389,9 @@ class CompiledEncoder:
         gelu_epilogue: bool = True,
         fused_norm: bool = True,
         inplace_residual: bool = False,
+        triton_attn: bool = True,
     ) -> None:
-        self.enc, self.dynamic, self.attn_backend = enc, dynamic, attn_backend
+        self.enc, self.dynamic, self.attn_backend, self.triton_attn = enc, dynamic, attn_backend, triton_attn
         self.gelu_epilogue, self.fused_norm = gelu_epilogue, fused_norm
         self.buckets = sorted(buckets) if buckets else default_buckets(max_tiles)
         self.stats = CompileStats(mode=mode, buckets=self.buckets, caches=_cache_settings(cache_dir))
@@ -389,11 +417,13 @@ class CompiledEncoder:
                 if self.folded is None:  # not in __init__: an encoder built but unused costs nothing
                     self.folded = fold_scales(self.enc)
                 return fast_forward_inplace(
-                    self.enc, px, self.folded, self.embed, self.layer, self.head, self.gelu_epilogue
-                )
+                    self.enc, px, self.folded, self.embed, self.layer, self.head, self.gelu_epilogue,
+                    self.triton_attn,
+                )  # fmt: skip
             return fast_forward(
-                self.enc, px, self.embed, self.layer, self.head, self.gelu_epilogue, self.fused_norm
-            )
+                self.enc, px, self.embed, self.layer, self.head, self.gelu_epilogue, self.fused_norm,
+                self.triton_attn,
+            )  # fmt: skip
 
     def _chunks(self, n: int) -> Iterator[tuple[int, int, int]]:
         """(start, tiles, bucket) per call, as `bucket_plan` splits n."""

@@ -45,7 +45,7 @@ def vit_attention_reference(
     """qkv [B*T, 3C] (q | k | v columns) -> heads' outputs [B*T, C], as `InternViTAttention.mix` computes them."""
     M, C3 = qkv.shape
     B, C = M // T, C3 // 3
-    q, k, v = qkv.view(B, T, C3).chunk(3, dim=-1)  # 3 x [B, T, C]
+    q, k, v = qkv.reshape(B, T, C3).chunk(3, dim=-1)  # 3 x [B, T, C]
     if wq is not None:
         q, k = rms_norm(q, wq, eps), rms_norm(k, wk, eps)
     q, k, v = (t.reshape(B, T, H, C // H).transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
@@ -53,8 +53,12 @@ def vit_attention_reference(
     return o.transpose(1, 2).reshape(M, C)
 
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) per head_dim; bench/probe.py `vitattn` times the candidates
-CONFIGS = {64: (128, 128, 8, 3), 128: (128, 64, 8, 3)}
+INTERPRET = _interpreting()  # read once: `kernel_config` also runs while Dynamo traces
+# (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA loads, warp-specialized) per head_dim, from `bench/probe.py vitattn`
+# (H200, 64 tiles, bench/RESULTS.md session 10): at head_dim 64 (300M) 0.786 ms against cuDNN's 0.864. No entry for
+# 128 (6B): the best candidate took 2.713 ms against 2.459 for Inductor's q/k RMSNorm + cuDNN, so the 6B keeps that.
+# (Triton 3.6 gave wrong output there with TMA boxes of 128 x 128, BLOCK_N = 128: never use those.)
+CONFIGS = {64: (128, 128, 4, 3, True, False)}
 
 if triton is not None:
 
@@ -155,11 +159,12 @@ if triton is not None:
         tl.store(OUT + (b * T).to(tl.int64) * C + h * D + d, o.to(OUT.dtype.element_ty))
 
 
-def kernel_config(qkv: Tensor, T: int, H: int) -> tuple[int, int, int, int] | None:
-    """The kernel's (BLOCK_M, BLOCK_N, warps, stages) for this call, or None where the reference runs."""
+def kernel_config(qkv: Tensor, T: int, H: int) -> tuple | None:
+    """The kernel's `CONFIGS` entry for this call, or None where the reference runs (CPU unless interpreting,
+    fp32, a head_dim without an entry, T - 1 not a power-of-two count of BLOCK_M blocks)."""
     if triton is None or qkv.dim() != 2 or qkv.shape[1] % (3 * H):
         return None
-    if not ((qkv.is_cuda and qkv.dtype in (torch.bfloat16, torch.float16)) or _interpreting()):
+    if not ((qkv.is_cuda and qkv.dtype in (torch.bfloat16, torch.float16)) or INTERPRET):
         return None
     cfg = CONFIGS.get(qkv.shape[1] // (3 * H))
     if (
@@ -200,6 +205,7 @@ def _vit_attention_triton(
     tma, ws = (cfg[4], cfg[5]) if len(cfg) > 4 else (False, False)
     if qkv.stride(1) != 1:
         qkv = qkv.contiguous()
+    tma = tma and qkv.data_ptr() % 16 == 0 and qkv.stride(0) * qkv.element_size() % 16 == 0  # TMA's alignment
     M, C3 = qkv.shape
     C, B = C3 // 3, M // T
     D, nq = C // H, (T - 1) // block_m
