@@ -65,7 +65,9 @@ class EngineConfig:
     vit_compile_mode: str = "default"  # or "tuned" (long jobs), "max-autotune-no-cudagraphs"
     vit_gelu_epilogue: bool = True  # compiled ViT: fc1 + GELU as one cuBLASLt GEMM (+3% 6B, +8% 300M on H200)
     vit_fused_norm: bool = True  # compiled ViT: residual + layer scale + norm, one Triton pass (+2-3%, H200)
-    vit_inplace_residual: bool = False  # compiled ViT: residuals added in place by the GEMMs (+0.7-1.4%)
+    # compiled ViT: residuals added in place by the GEMMs (+0.7-1.4%); None: on where the folded weight copies take
+    # <= 1 GiB (300M), off above (6B: 4.6 GB) -- `runner.inplace_residual`
+    vit_inplace_residual: bool | None = None
     vit_triton_attention: bool = True  # compiled ViT: CLS-aware Triton attention where it has a config (300M)
     vit_fp8: bool = False  # ViT linears in FP8 e4m3 (encoder/fp8.py): opt-in, less accurate, tp 1 only
     compile_llm: bool | None = None  # regional torch.compile of the decoder layers; None: on CUDA only

@@ -150,10 +150,9 @@ def test_job_option_reaches_the_encoder() -> None:
     with torch.no_grad():
         torch.testing.assert_close(encode(px), enc(px), atol=ATOL, rtol=RTOL)
     assert len(encode.folded) == len(enc.vit.layers)
-    off = vision_encoder(
-        types.SimpleNamespace(vision=enc), enc.cfg, EngineConfig(vit_triton_attention=False), None
-    )
-    assert not off.triton_attn
+    off = EngineConfig(vit_triton_attention=False, vit_inplace_residual=False)
+    off = vision_encoder(types.SimpleNamespace(vision=enc), enc.cfg, off, None)
+    assert not off.triton_attn and not off.inplace_residual
     with pytest.raises(ValueError, match="inplace_residual"):
         vision_encoder(
             types.SimpleNamespace(vision=enc),
@@ -161,3 +160,25 @@ def test_job_option_reaches_the_encoder() -> None:
             EngineConfig(vit_inplace_residual=True, vit_fp8=True),
             None,
         )
+
+
+def test_inplace_residual_auto_follows_the_weight_copies_size(monkeypatch) -> None:
+    """`engine.vit_inplace_residual: null` (the default) turns the in-place path on when the proj / fc2 copies fit
+    the limit (the tiny encoder's do), off when they do not (the limit lowered below them), and off for FP8 layers."""
+    import types
+
+    from batchvl import runner
+    from batchvl.encoder.fp8 import fp8_vit
+    from batchvl.engine import EngineConfig
+
+    enc, _ = build_pair("300m")
+    ecfg = EngineConfig()
+    assert ecfg.vit_inplace_residual is None
+    assert runner.inplace_residual(enc, ecfg)
+    assert runner.vision_encoder(types.SimpleNamespace(vision=enc), enc.cfg, ecfg, None).inplace_residual
+    copies = sum(la.attn.proj.weight.nbytes + la.mlp.fc2.weight.nbytes for la in enc.vit.layers)
+    monkeypatch.setattr(runner, "INPLACE_AUTO_MAX_BYTES", copies - 1)
+    assert not runner.inplace_residual(enc, ecfg)
+    monkeypatch.setattr(runner, "INPLACE_AUTO_MAX_BYTES", copies)
+    assert runner.inplace_residual(enc, ecfg)
+    assert not runner.inplace_residual(fp8_vit(enc), ecfg)

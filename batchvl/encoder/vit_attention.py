@@ -63,14 +63,33 @@ CONFIGS = {64: (128, 128, 4, 3, True, False)}
 if triton is not None:
 
     @triton.jit
+    def _cls_partial(QKV, RKS, PM, PL, PA, rows, q0, k0, v0, ks0, qk_scale, stride_row, kcol, vcol, d, part, first,
+                     NORM: tl.constexpr, D: tl.constexpr):  # fmt: skip
+        """The CLS query against one program's BLOCK_M patch keys (program 0: and the CLS key): its partial
+        (max, sum, output) for `_cls_merge_kernel`."""
+        kc = tl.load(QKV + rows[:, None] * stride_row + kcol[None, :]).to(tl.float32)  # [BLOCK_M, D]
+        s0 = tl.sum(kc * q0[None, :], axis=1)  # [BLOCK_M]
+        s0 = s0 * (tl.load(RKS + rows) if NORM else qk_scale)
+        s00 = tl.where(first, tl.sum(q0 * k0, axis=0) * ks0, float("-inf"))
+        mp = tl.maximum(tl.max(s0, axis=0), s00)
+        p0 = tl.math.exp2(s0 - mp)
+        e00 = tl.math.exp2(s00 - mp)
+        vc = tl.load(QKV + rows[:, None] * stride_row + vcol[None, :]).to(tl.float32)  # [BLOCK_M, D]
+        tl.store(PM + part, mp)
+        tl.store(PL + part, tl.sum(p0, axis=0) + e00)
+        tl.store(PA + part * D + d, tl.sum(p0[:, None] * vc, axis=0) + e00 * v0)
+
+    @triton.jit
     def _vit_attn_kernel(
         QKV, OUT, RQ, RKS, G, PM, PL, PA, T, H, C, stride_row, qk_scale, QDESC, KDESC,
         NORM: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         TMA: tl.constexpr = False, WS: tl.constexpr = False, CLS: tl.constexpr = True,
+        PART_FIRST: tl.constexpr = False,
     ):  # fmt: skip
         """RQ: rstd_q per row; RKS: rstd_k * scale * log2(e) per row; G: w_q * w_k (all fp32; NORM only).
         TMA: q, k, v tiles loaded through the tensor descriptors QDESC ([BLOCK_M, D] boxes) and KDESC ([BLOCK_N, D])
-        over the qkv rows; WS: the key loop warp-specialized."""
+        over the qkv rows; WS: the key loop warp-specialized; PART_FIRST: the CLS query's partial before the key loop
+        (its loads issued early) instead of after it."""
         pid_m = tl.program_id(0)  # which BLOCK_M patch queries (and patch keys, for the CLS query's partial)
         bh = tl.program_id(1)
         nq = tl.num_programs(0)
@@ -94,9 +113,11 @@ if triton is not None:
             ks0 = tl.load(RKS + base)  # rstd_k * scale * log2(e) of the CLS key
         else:
             ks0 = qk_scale
-        if (
-            CLS
-        ):  # the CLS key first, a rank-one step: the running max is its score, the sum 1, the output v_cls
+        if CLS and PART_FIRST:
+            _cls_partial(QKV, RKS, PM, PL, PA, rows, q0, k0, v0, ks0, qk_scale, stride_row, kcol, vcol, d,
+                         bh * nq + pid_m, pid_m == 0, NORM, D)  # fmt: skip
+        # the CLS key first, a rank-one step: the running max is its score, the sum 1, the output v_cls
+        if CLS:
             m_i = tl.sum(q.to(tl.float32) * k0[None, :], axis=1) * ks0  # [BLOCK_M]
             l_i = tl.zeros([BLOCK_M], tl.float32) + 1.0
             acc = tl.zeros([BLOCK_M, D], tl.float32) + v0[None, :]
@@ -127,22 +148,9 @@ if triton is not None:
             acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
             m_i = m_new
         tl.store(OUT + rows[:, None] * C + qcol[None, :], (acc / l_i[:, None]).to(OUT.dtype.element_ty))
-
-        if (
-            CLS
-        ):  # the CLS query against this program's BLOCK_M patch keys (program 0: and the CLS key): a partial
-            kc = tl.load(QKV + rows[:, None] * stride_row + kcol[None, :]).to(tl.float32)  # [BLOCK_M, D]
-            s0 = tl.sum(kc * q0[None, :], axis=1)  # [BLOCK_M]
-            s0 = s0 * (tl.load(RKS + rows) if NORM else qk_scale)
-            s00 = tl.where(pid_m == 0, tl.sum(q0 * k0, axis=0) * ks0, float("-inf"))
-            mp = tl.maximum(tl.max(s0, axis=0), s00)
-            p0 = tl.math.exp2(s0 - mp)
-            e00 = tl.math.exp2(s00 - mp)
-            vc = tl.load(QKV + rows[:, None] * stride_row + vcol[None, :]).to(tl.float32)  # [BLOCK_M, D]
-            part = bh * nq + pid_m
-            tl.store(PM + part, mp)
-            tl.store(PL + part, tl.sum(p0, axis=0) + e00)
-            tl.store(PA + part * D + d, tl.sum(p0[:, None] * vc, axis=0) + e00 * v0)
+        if CLS and not PART_FIRST:
+            _cls_partial(QKV, RKS, PM, PL, PA, rows, q0, k0, v0, ks0, qk_scale, stride_row, kcol, vcol, d,
+                         bh * nq + pid_m, pid_m == 0, NORM, D)  # fmt: skip
 
     @triton.jit
     def _cls_merge_kernel(PM, PL, PA, OUT, T, H, C, NQ: tl.constexpr, D: tl.constexpr):
@@ -199,10 +207,11 @@ def _vit_attention_triton(
     qkv: Tensor, T: int, H: int, scale: float, wq: Tensor | None, wk: Tensor | None, eps: float,
     cfg: tuple, cls: bool = True,
 ) -> Tensor:  # fmt: skip
-    """cfg: (BLOCK_M, BLOCK_N, warps, stages[, TMA, warp-specialized]); cls=False (timing only) leaves the CLS
+    """cfg: (BLOCK_M, BLOCK_N, warps, stages[, TMA, warp-specialized[, partial first]]); cls=False (timing only) leaves the CLS
     token out: the patch rows then attend to the patch keys alone and row 0 is garbage."""
     block_m, block_n, warps, stages = cfg[:4]
     tma, ws = (cfg[4], cfg[5]) if len(cfg) > 4 else (False, False)
+    part_first = cfg[6] if len(cfg) > 6 else False
     if qkv.stride(1) != 1:
         qkv = qkv.contiguous()
     tma = tma and qkv.data_ptr() % 16 == 0 and qkv.stride(0) * qkv.element_size() % 16 == 0  # TMA's alignment
@@ -229,7 +238,7 @@ def _vit_attention_triton(
         qd, kd = (TensorDescriptor.from_tensor(qkv, [b_, D]) for b_ in (block_m, block_n))
     _vit_attn_kernel[(nq, B * H)](
         qkv, o, rq, rk, g, pm, pl, pa, T, H, C, qkv.stride(0), scale * math.log2(math.e), qd, kd,
-        NORM=norm, D=D, BLOCK_M=block_m, BLOCK_N=block_n, TMA=tma, WS=ws, CLS=cls, num_warps=warps, num_stages=stages,
+        NORM=norm, D=D, BLOCK_M=block_m, BLOCK_N=block_n, TMA=tma, WS=ws, CLS=cls, PART_FIRST=part_first, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     if cls:
         _cls_merge_kernel[(B * H,)](pm, pl, pa, o, T, H, C, NQ=nq, D=D)
