@@ -111,23 +111,6 @@ def build_engine(
     return engine
 
 
-INPLACE_AUTO_MAX_BYTES = 1 << 30
-
-
-def inplace_residual(vision: torch.nn.Module, ecfg: Any) -> bool:
-    """`engine.vit_inplace_residual`; null (auto): on when its copies of the proj / fc2 weights take at most 1 GiB
-    (InternViT-300M: 0.25 GB in bf16; the 6B's 4.6 GB stay off) and the layers are plain Linear (not FP8)."""
-    if ecfg.vit_inplace_residual is not None:
-        return ecfg.vit_inplace_residual
-    layers = vision.vit.layers
-    if not all(type(m) is torch.nn.Linear for la in layers for m in (la.attn.proj, la.mlp.fc1, la.mlp.fc2)):
-        return False
-    copies = sum(
-        w.numel() * w.element_size() for la in layers for w in (la.attn.proj.weight, la.mlp.fc2.weight)
-    )
-    return copies <= INPLACE_AUTO_MAX_BYTES
-
-
 def vision_encoder(model: Any, cfg: InternVLConfig, ecfg: Any, ctx: dist.DistContext | None) -> Callable:
     """The ViT callable: compiled or eager; across a tensor-parallel group, TP with split-batch overlap or DP."""
     from batchvl.encoder.internvit_compiled import compile_encoder
@@ -148,7 +131,7 @@ def vision_encoder(model: Any, cfg: InternVLConfig, ecfg: Any, ctx: dist.DistCon
             max_tiles=ecfg.max_vit_tiles,
             gelu_epilogue=ecfg.vit_gelu_epilogue,
             fused_norm=ecfg.vit_fused_norm,
-            inplace_residual=inplace_residual(model.vision, ecfg),
+            inplace_residual=ecfg.vit_inplace_residual,
             triton_attn=ecfg.vit_triton_attention,
         )
         if ecfg.compile_vit

@@ -293,16 +293,23 @@ def run_model(name: str, args, dev: torch.device, dtype: torch.dtype, ceiling: f
         )
     if args.unfused_norm:  # residual + layer scale + norm left to Inductor (engine.vit_fused_norm: false)
         variants["ours-unfused-norm"] = compile_encoder(
-            enc, mode=args.mode, buckets=buckets, attn_backend=backend, fused_norm=False
+            enc,
+            mode=args.mode,
+            buckets=buckets,
+            attn_backend=backend,
+            fused_norm=False,
+            inplace_residual=False,
         )
     if args.sdpa_attn:  # attention through SDPA only (engine.vit_triton_attention: false), same run
         variants["ours-sdpa-attn"] = compile_encoder(
             enc, mode=args.mode, buckets=buckets, attn_backend=backend, triton_attn=False
         )
     if args.inplace_residual:  # residuals added by the GEMMs in place (internvit_compiled.fast_layer_inplace)
-        variants["ours-inplace-residual"] = compile_encoder(
-            enc, mode=args.mode, buckets=buckets, attn_backend=backend, inplace_residual=True
-        )
+        # both ways, whichever the default (auto: in place where the weight copies take <= 1 GiB, i.e. the 300M)
+        for vname, on in (("ours-inplace-residual", True), ("ours-not-inplace", False)):
+            variants[vname] = compile_encoder(
+                enc, mode=args.mode, buckets=buckets, attn_backend=backend, inplace_residual=on
+            )
     if args.fp8:  # the layer linears in FP8 e4m3 (engine.vit_fp8), on a copy of the same weights
         variants["ours-fp8"] = compile_encoder(
             fp8_vit(copy.deepcopy(enc)), mode=args.mode, buckets=buckets, attn_backend=backend
@@ -354,6 +361,7 @@ def run_model(name: str, args, dev: torch.device, dtype: torch.dtype, ceiling: f
             fl = floors_fp8[b] if vname == "ours-fp8" else floors[b]  # each against its own floor
             mode = {"ours-compiled": args.mode, "ours-fp8": args.mode, f"ours-{args.vs_mode}": args.vs_mode,
                     "ours-unfused-norm": args.mode, "ours-inplace-residual": args.mode, "ours-sdpa-attn": args.mode,
+                    "ours-not-inplace": args.mode,
                     "hf-sdpa-compiled": args.hf_mode}.get(vname)  # fmt: skip
             row = dict(model=name, tiles=b, variant=vname, tiles_per_s=tps, ms=sec * 1e3, iters=iters,
                        floor_tiles_per_s=b / (fl["total_ms"] * 1e-3), floor_vit_tiles_per_s=b / (fl["vit_ms"] * 1e-3),
@@ -417,7 +425,9 @@ def main() -> None:
         "--unfused-norm", action="store_true", help="also ours compiled without the fused residual norm pass"
     )
     ap.add_argument(
-        "--inplace-residual", action="store_true", help="also ours compiled with the residuals added in place"
+        "--inplace-residual",
+        action="store_true",
+        help="also ours compiled with and without the residuals added in place",
     )
     ap.add_argument(
         "--sdpa-attn",

@@ -163,22 +163,24 @@ def test_job_option_reaches_the_encoder() -> None:
 
 
 def test_inplace_residual_auto_follows_the_weight_copies_size(monkeypatch) -> None:
-    """`engine.vit_inplace_residual: null` (the default) turns the in-place path on when the proj / fc2 copies fit
-    the limit (the tiny encoder's do), off when they do not (the limit lowered below them), and off for FP8 layers."""
+    """`inplace_residual=None` (the default; `engine.vit_inplace_residual: null`) turns the in-place path on when the
+    proj / fc2 copies fit the limit (the tiny encoder's do), off when they do not (the limit lowered below them), and
+    off for FP8 layers."""
     import types
 
-    from batchvl import runner
+    from batchvl.encoder import internvit_compiled
     from batchvl.encoder.fp8 import fp8_vit
     from batchvl.engine import EngineConfig
+    from batchvl.runner import vision_encoder
 
     enc, _ = build_pair("300m")
     ecfg = EngineConfig()
     assert ecfg.vit_inplace_residual is None
-    assert runner.inplace_residual(enc, ecfg)
-    assert runner.vision_encoder(types.SimpleNamespace(vision=enc), enc.cfg, ecfg, None).inplace_residual
+    assert compile_encoder(enc).inplace_residual
+    assert vision_encoder(types.SimpleNamespace(vision=enc), enc.cfg, ecfg, None).inplace_residual
     copies = sum(la.attn.proj.weight.nbytes + la.mlp.fc2.weight.nbytes for la in enc.vit.layers)
-    monkeypatch.setattr(runner, "INPLACE_AUTO_MAX_BYTES", copies - 1)
-    assert not runner.inplace_residual(enc, ecfg)
-    monkeypatch.setattr(runner, "INPLACE_AUTO_MAX_BYTES", copies)
-    assert runner.inplace_residual(enc, ecfg)
-    assert not runner.inplace_residual(fp8_vit(enc), ecfg)
+    monkeypatch.setattr(internvit_compiled, "INPLACE_AUTO_MAX_BYTES", copies - 1)
+    assert not compile_encoder(enc).inplace_residual
+    monkeypatch.setattr(internvit_compiled, "INPLACE_AUTO_MAX_BYTES", copies)
+    assert compile_encoder(enc).inplace_residual
+    assert not compile_encoder(fp8_vit(enc)).inplace_residual
