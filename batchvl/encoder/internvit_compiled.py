@@ -408,8 +408,8 @@ class CompiledEncoder:
         lins = [m for layer in enc.vit.layers for m in (layer.attn.proj, layer.mlp.fc1, layer.mlp.fc2)]
         plain = all(type(m) is nn.Linear for m in lins)
         if inplace_residual is None:  # auto: on where the folded copies are small
-            copies = sum(la.attn.proj.weight.nbytes + la.mlp.fc2.weight.nbytes for la in enc.vit.layers)
-            inplace_residual = plain and copies <= INPLACE_AUTO_MAX_BYTES
+            copies = (la.attn.proj.weight.nbytes + la.mlp.fc2.weight.nbytes for la in enc.vit.layers)
+            inplace_residual = plain and sum(copies) <= INPLACE_AUTO_MAX_BYTES
         if inplace_residual and not plain:
             raise ValueError("inplace_residual needs plain Linear layers (not FP8)")
         self.inplace_residual = inplace_residual
