@@ -81,10 +81,10 @@ MAX_TRITON_WIDTH = 8192  # one row per program in registers: InternViT's widths 
 
 
 def _use_triton(x: Tensor) -> bool:
-    return triton is not None and (x.is_cuda or _interpreting()) and x.shape[-1] <= MAX_TRITON_WIDTH
+    return triton is not None and (x.is_cuda or triton_interpreting()) and x.shape[-1] <= MAX_TRITON_WIDTH
 
 
-def _interpreting() -> bool:
+def triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 

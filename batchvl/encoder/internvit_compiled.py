@@ -115,9 +115,8 @@ def fast_layer(
     proj / fc2 only; FP8 layers take the other path). triton_attn: see `fast_mix`."""
     if fused_norm and all(isinstance(m, nn.Linear) for m in (layer.attn.proj, layer.mlp.fc1, layer.mlp.fc2)):
         return fast_layer_fused(layer, x, h, next_norm, gelu_epilogue, triton_attn)
-    x = x + layer.ls1 * layer.attn.proj(fast_mix(layer.attn, h, triton_attn)).view(
-        x.shape
-    )  # qkv GEMM, attn, proj
+    a = layer.attn.proj(fast_mix(layer.attn, h, triton_attn)).view(x.shape)  # qkv GEMM, attention, proj
+    x = x + layer.ls1 * a
     h2 = layer.norm2(x)
     x = x + layer.ls2 * (fast_mlp(layer.mlp, h2) if gelu_epilogue else layer.mlp(h2))
     return x, (next_norm(x) if next_norm is not None else x)
@@ -363,9 +362,8 @@ def _cache_settings(cache_dir: str | None) -> dict[str, object]:
 # --------------------------------------------------------------------------- the compiled encoder
 
 
-INPLACE_AUTO_MAX_BYTES = (
-    1 << 30
-)  # `CompiledEncoder(inplace_residual=None)`: the most its weight copies may take
+# `CompiledEncoder(inplace_residual=None)`: the most its weight copies may take for the in-place path to be on
+INPLACE_AUTO_MAX_BYTES = 1 << 30
 
 
 class CompiledEncoder:

@@ -10,15 +10,16 @@ around SDPA needed a pass over q and o that cost as much as it saved. Here it is
   full blocks, with no masking;
 - the CLS query is split over the same programs: program i scores it against its own BLOCK_M patch keys (and
   program 0 against the CLS key) and writes a partial (max, sum, output); a small kernel merges the partials;
-- the 6B's full-width q/k RMSNorm is folded in: the op reads the raw qkv rows and the two per-row rstd vectors
-  (one reduction each), q is multiplied by `q_norm.weight * k_norm.weight` once per program, and each score is
-  scaled by rstd_q[i] * rstd_k[j]; the normalized q and k are never written.
+- a full-width q/k RMSNorm (the 6B's) can be folded in: the op reads the raw qkv rows and two per-row rstd vectors
+  (one reduction each), q is multiplied by rstd_q * `q_norm.weight * k_norm.weight` once per program, and each
+  score by the key's rstd_k; the normalized q and k are never written.
 
 Registered with `torch.library` plus a fake implementation, so a compiled layer traces it as one node. It runs the
-kernel on CUDA for bf16 / fp16 when T - 1 divides into its blocks and head_dim is 64 or 128; otherwise (CPU, other
-shapes) `vit_attention_reference`, the eager layer's own sums (RMSNorm, then SDPA).
-Numerics: q * (w_q * w_k) is rounded once to the activation dtype (the eager path rounds q * rstd, then w_q * that,
-and k likewise); the scores are fp32, as in any flash kernel.
+kernel on CUDA for bf16 / fp16 where `CONFIGS` has the head_dim and T - 1 divides into its blocks; otherwise (CPU,
+other shapes) `vit_attention_reference`, the eager layer's own sums (RMSNorm, then SDPA). Measured on an H200, the
+kernel wins at head_dim 64 (300M) and loses at 128 (6B), so only 64 has a config (see `CONFIGS`).
+Numerics: q * rstd_q * (w_q * w_k) is rounded once to the activation dtype (the eager path rounds q * rstd_q, then
+w_q * that, and k likewise); the scores are fp32, as in any flash kernel.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from batchvl.encoder.fused_norm import _interpreting
+from batchvl.encoder.fused_norm import triton_interpreting
 from batchvl.encoder.internvit import rms_norm
 
 try:
@@ -53,12 +54,12 @@ def vit_attention_reference(
     return o.transpose(1, 2).reshape(M, C)
 
 
-INTERPRET = _interpreting()  # read once: `kernel_config` also runs while Dynamo traces
-# (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA loads, warp-specialized) per head_dim, from `bench/probe.py vitattn`
+INTERPRET = triton_interpreting()  # read once: `kernel_config` also runs while Dynamo traces
+# (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA loads) per head_dim, from `bench/probe.py vitattn`
 # (H200, 64 tiles, bench/RESULTS.md session 10): at head_dim 64 (300M) 0.786 ms against cuDNN's 0.864. No entry for
 # 128 (6B): the best candidate took 2.713 ms against 2.459 for Inductor's q/k RMSNorm + cuDNN, so the 6B keeps that.
 # (Triton 3.6 gave wrong output there with TMA boxes of 128 x 128, BLOCK_N = 128: never use those.)
-CONFIGS = {64: (128, 128, 4, 3, True, False)}
+CONFIGS = {64: (128, 128, 4, 3, True)}
 
 if triton is not None:
 
@@ -83,13 +84,11 @@ if triton is not None:
     def _vit_attn_kernel(
         QKV, OUT, RQ, RKS, G, PM, PL, PA, T, H, C, stride_row, qk_scale, QDESC, KDESC,
         NORM: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        TMA: tl.constexpr = False, WS: tl.constexpr = False, CLS: tl.constexpr = True,
-        PART_FIRST: tl.constexpr = False,
+        TMA: tl.constexpr = False, CLS: tl.constexpr = True,
     ):  # fmt: skip
         """RQ: rstd_q per row; RKS: rstd_k * scale * log2(e) per row; G: w_q * w_k (all fp32; NORM only).
         TMA: q, k, v tiles loaded through the tensor descriptors QDESC ([BLOCK_M, D] boxes) and KDESC ([BLOCK_N, D])
-        over the qkv rows; WS: the key loop warp-specialized; PART_FIRST: the CLS query's partial before the key loop
-        (its loads issued early) instead of after it."""
+        over the qkv rows. CLS=False (timing only) leaves the CLS token out."""
         pid_m = tl.program_id(0)  # which BLOCK_M patch queries (and patch keys, for the CLS query's partial)
         bh = tl.program_id(1)
         nq = tl.num_programs(0)
@@ -113,9 +112,6 @@ if triton is not None:
             ks0 = tl.load(RKS + base)  # rstd_k * scale * log2(e) of the CLS key
         else:
             ks0 = qk_scale
-        if CLS and PART_FIRST:
-            _cls_partial(QKV, RKS, PM, PL, PA, rows, q0, k0, v0, ks0, qk_scale, stride_row, kcol, vcol, d,
-                         bh * nq + pid_m, pid_m == 0, NORM, D)  # fmt: skip
         # the CLS key first, a rank-one step: the running max is its score, the sum 1, the output v_cls
         if CLS:
             m_i = tl.sum(q.to(tl.float32) * k0[None, :], axis=1) * ks0  # [BLOCK_M]
@@ -125,7 +121,7 @@ if triton is not None:
             m_i = tl.zeros([BLOCK_M], tl.float32) - float("inf")
             l_i = tl.zeros([BLOCK_M], tl.float32)
             acc = tl.zeros([BLOCK_M, D], tl.float32)
-        for j in tl.range(0, T - 1, BLOCK_N, warp_specialize=WS):  # the patch keys, full blocks
+        for j in tl.range(0, T - 1, BLOCK_N):  # the patch keys, full blocks
             krows = base + 1 + j + tl.arange(0, BLOCK_N)  # [BLOCK_N]
             if TMA:
                 k = KDESC.load([base32 + 1 + j, C + h * D])
@@ -148,7 +144,7 @@ if triton is not None:
             acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
             m_i = m_new
         tl.store(OUT + rows[:, None] * C + qcol[None, :], (acc / l_i[:, None]).to(OUT.dtype.element_ty))
-        if CLS and not PART_FIRST:
+        if CLS:  # after the key loop: before it (loads issued early) measured no faster
             _cls_partial(QKV, RKS, PM, PL, PA, rows, q0, k0, v0, ks0, qk_scale, stride_row, kcol, vcol, d,
                          bh * nq + pid_m, pid_m == 0, NORM, D)  # fmt: skip
 
@@ -207,11 +203,10 @@ def _vit_attention_triton(
     qkv: Tensor, T: int, H: int, scale: float, wq: Tensor | None, wk: Tensor | None, eps: float,
     cfg: tuple, cls: bool = True,
 ) -> Tensor:  # fmt: skip
-    """cfg: (BLOCK_M, BLOCK_N, warps, stages[, TMA, warp-specialized[, partial first]]); cls=False (timing only) leaves the CLS
+    """cfg: (BLOCK_M, BLOCK_N, warps, stages[, TMA]); cls=False (timing only) leaves the CLS
     token out: the patch rows then attend to the patch keys alone and row 0 is garbage."""
     block_m, block_n, warps, stages = cfg[:4]
-    tma, ws = (cfg[4], cfg[5]) if len(cfg) > 4 else (False, False)
-    part_first = cfg[6] if len(cfg) > 6 else False
+    tma = len(cfg) > 4 and cfg[4]
     if qkv.stride(1) != 1:
         qkv = qkv.contiguous()
     tma = tma and qkv.data_ptr() % 16 == 0 and qkv.stride(0) * qkv.element_size() % 16 == 0  # TMA's alignment
@@ -238,7 +233,7 @@ def _vit_attention_triton(
         qd, kd = (TensorDescriptor.from_tensor(qkv, [b_, D]) for b_ in (block_m, block_n))
     _vit_attn_kernel[(nq, B * H)](
         qkv, o, rq, rk, g, pm, pl, pa, T, H, C, qkv.stride(0), scale * math.log2(math.e), qd, kd,
-        NORM=norm, D=D, BLOCK_M=block_m, BLOCK_N=block_n, TMA=tma, WS=ws, CLS=cls, PART_FIRST=part_first, num_warps=warps, num_stages=stages,
+        NORM=norm, D=D, BLOCK_M=block_m, BLOCK_N=block_n, TMA=tma, CLS=cls, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     if cls:
         _cls_merge_kernel[(B * H,)](pm, pl, pa, o, T, H, C, NQ=nq, D=D)
