@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
     [
         ("e2e.py", []),
         ("e2e.py", ["--modes", "nocache,nocache+fp8,nocache+prefetch"]),
-        ("vit.py", ["--fp8", "--unfused-norm", "--inplace-residual"]),
+        ("vit.py", ["--fp8", "--unfused-norm", "--inplace-residual", "--sdpa-attn"]),
     ],
     ids=["e2e", "e2e-fp8", "vit-fp8"],
 )
@@ -43,7 +43,9 @@ def test_bench_smoke(script, extra):
     if "--unfused-norm" in extra:
         assert "| ours-unfused-norm |" in p.stdout
     if "--inplace-residual" in extra:
-        assert "| ours-inplace-residual |" in p.stdout
+        assert "| ours-inplace-residual |" in p.stdout and "| ours-not-inplace |" in p.stdout
+    if "--sdpa-attn" in extra:
+        assert "| ours-sdpa-attn |" in p.stdout
     assert "|" in p.stdout  # the table
 
 
