@@ -67,6 +67,7 @@ def test_kernel_in_the_interpreter() -> None:
         assert kernel_config(qkv, T, H) is not None
         assert kernel_config(qkv, 1 + 64, H) is None  # T - 1 not whole BLOCK_M blocks
         assert kernel_config(torch.randn(B * T, 3 * 2 * 128), T, 2) is None  # head_dim 128: no entry
+        assert kernel_config(torch.empty(32768 * T, 3 * H * D, device="meta"), T, H) is None  # grid y > 65535
         w = [1 + 0.3 * torch.randn(H * D) for _ in range(2)]
         for norm in ([None, None], w):
             got, ref = vit_attention(qkv, T, H, 0.125, *norm, 1e-6), vit_attention_reference(qkv, T, H, 0.125, *norm, 1e-6)

@@ -60,6 +60,9 @@ INTERPRET = triton_interpreting()  # read once: `kernel_config` also runs while 
 # 128 (6B): the best candidate took 2.713 ms against 2.459 for Inductor's q/k RMSNorm + cuDNN, so the 6B keeps that.
 # (Triton 3.6 gave wrong output there with TMA boxes of 128 x 128, BLOCK_N = 128: never use those.)
 CONFIGS = {64: (128, 128, 4, 3, True)}
+MAX_GRID_Y = (
+    65535  # the kernel's grid is (query blocks, tiles * heads): the blocks of one head run side by side
+)
 
 if triton is not None:
 
@@ -165,8 +168,9 @@ if triton is not None:
 
 def kernel_config(qkv: Tensor, T: int, H: int) -> tuple | None:
     """The kernel's `CONFIGS` entry for this call, or None where the reference runs (CPU unless interpreting,
-    fp32, a head_dim without an entry, T - 1 not a power-of-two count of BLOCK_M blocks)."""
-    if triton is None or qkv.dim() != 2 or qkv.shape[1] % (3 * H):
+    fp32, a head_dim without an entry, T - 1 not a power-of-two count of BLOCK_M blocks, more (tile, head) pairs than
+    a CUDA grid's second dimension takes)."""
+    if triton is None or qkv.dim() != 2 or qkv.shape[1] % (3 * H) or (qkv.shape[0] // T) * H > MAX_GRID_Y:
         return None
     if not ((qkv.is_cuda and qkv.dtype in (torch.bfloat16, torch.float16)) or INTERPRET):
         return None
