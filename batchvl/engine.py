@@ -66,7 +66,7 @@ class EngineConfig:
     vit_gelu_epilogue: bool = True  # compiled ViT: fc1 + GELU as one cuBLASLt GEMM (+3% 6B, +8% 300M on H200)
     vit_fused_norm: bool = True  # compiled ViT: residual + layer scale + norm, one Triton pass (+2-3%, H200)
     # compiled ViT: residuals added in place by the GEMMs (+0.7-1.4%); None: on where the folded weight copies take
-    # <= 1 GiB (300M), off above (6B: 4.6 GB) -- `runner.inplace_residual`
+    # <= 1 GiB (300M), off above (6B: 4.6 GB): `CompiledEncoder(inplace_residual=None)`
     vit_inplace_residual: bool | None = None
     vit_triton_attention: bool = True  # compiled ViT: CLS-aware Triton attention where it has a config (300M)
     vit_fp8: bool = False  # ViT linears in FP8 e4m3 (encoder/fp8.py): opt-in, less accurate, tp 1 only

@@ -82,9 +82,8 @@ class EngineSpec:
     vit_compile_mode: str = "default"
     vit_gelu_epilogue: bool = True
     vit_fused_norm: bool = True
-    vit_inplace_residual: bool | None = (
-        None  # null: on where its weight copies take <= 1 GiB (300M), else off
-    )
+    # null: on where its weight copies take <= 1 GiB (300M), else off
+    vit_inplace_residual: bool | None = None
     vit_triton_attention: bool = True
     vit_fp8: bool = False
     vit_mode: str = "auto"

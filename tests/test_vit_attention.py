@@ -1,6 +1,6 @@
 """The CLS-aware ViT attention (`encoder/vit_attention.py`): its reference against the eager layer's `mix`, its Triton
-kernel through Triton's interpreter on CPU (fp32 tightly, fp16 within its rounding; every load / loop variant), and
-the encoder through the kernel against the eager encoder."""
+kernel through Triton's interpreter on CPU (fp32 tightly, fp16 within its rounding; pointer and TMA loads), and the
+encoder through the kernel (residual stream plain or in place) against the eager encoder."""
 
 from __future__ import annotations
 
@@ -80,21 +80,24 @@ def test_kernel_in_the_interpreter() -> None:
 
 def test_encoder_through_the_kernel_in_the_interpreter() -> None:
     """The whole encoder with attention through the kernel (6B-style: qk-norm folded in; 300M-style: qkv bias),
-    head_dim 64 at 16 x 16 patches (T = 257), equals the eager encoder in fp32."""
+    head_dim 64 at 16 x 16 patches (T = 257), equals the eager encoder in fp32; also with the residuals in place
+    (`fast_forward_inplace`, the 300M's default path)."""
     pytest.importorskip("triton")
     code = textwrap.dedent(
         """
         import sys, torch
         sys.path.insert(0, "tests")
         from test_internvit import build_pair
-        from batchvl.encoder.internvit_compiled import fast_forward
+        from batchvl.encoder.internvit_compiled import fast_forward, fast_forward_inplace, fold_scales
         for vision in ("6b", "300m"):
             enc, _ = build_pair(vision, image_size=224, hidden=128, heads=2)
             px = torch.randn(2, 3, 224, 224)
             with torch.no_grad():
                 ref = enc(px)
                 got = fast_forward(enc, px, triton_attn=True)
+                got_ip = fast_forward_inplace(enc, px, fold_scales(enc), triton_attn=True)
             torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(got_ip, ref, atol=1e-5, rtol=1e-4)
         print("ok")
         """
     )
