@@ -113,3 +113,23 @@ def test_compiled_encoder_default_equals_eager_on_cpu() -> None:
     ce = compile_encoder(enc, buckets=[2])
     assert ce.triton_attn
     torch.testing.assert_close(ce(px), ref, atol=ATOL, rtol=RTOL)
+
+
+def test_fast_mix_keeps_the_module_path_for_other_norms() -> None:
+    """A q/k norm that is not a plain RMSNorm (TP's ShardedRMSNorm all-reduces its mean square) is not read as
+    weights: `fast_mix` then runs the module's own `mix`, norms called as modules."""
+
+    class Doubled(torch.nn.Module):
+        def __init__(self, norm: torch.nn.Module) -> None:
+            super().__init__()
+            self.norm, self.weight, self.eps = norm, norm.weight, norm.eps
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return 2 * self.norm(x)
+
+    enc, _ = build_pair("6b")
+    attn = enc.vit.layers[0].attn
+    attn.q_norm = Doubled(attn.q_norm)
+    h = torch.randn(2, 65, enc.cfg.vision.hidden_size)
+    with torch.no_grad():
+        torch.testing.assert_close(fast_mix(attn, h, True), attn.mix(h).reshape(2 * 65, -1))

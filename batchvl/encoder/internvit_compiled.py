@@ -37,6 +37,7 @@ from batchvl.encoder.internvit import (
     InternViTLayer,
     InternViTMLP,
     Projector,
+    RMSNorm,
     VisionEncoder,
     vit_to_tokens,
 )
@@ -86,9 +87,12 @@ def fast_mlp(mlp: InternViTMLP, x: Tensor) -> Tensor:
 def fast_mix(attn: InternViTAttention, h: Tensor, triton_attn: bool) -> Tensor:
     """attn.mix(h) as [B*T, C]. triton_attn: where `vit_attention`'s Triton kernel takes the shape (decided while
     tracing: device, dtype, head_dim, T), one call of it over the qkv rows (CLS-aware, qk-norm folded in); elsewhere
-    the same sums as `mix` (q/k RMSNorm for Inductor to fuse, then SDPA)."""
+    the same sums as `mix` (q/k RMSNorm for Inductor to fuse, then SDPA). Both read the q/k norms' weights, so they
+    stand for plain `RMSNorm` modules only; other norms (e.g. split_overlap's ShardedRMSNorm, whose mean square is
+    all-reduced over a TP group) keep the module's own `mix`."""
     B, T, C = h.shape
-    if not triton_attn:
+    plain_norms = not attn.qk_normalization or all(type(n) is RMSNorm for n in (attn.q_norm, attn.k_norm))
+    if not (triton_attn and plain_norms):
         return attn.mix(h).reshape(B * T, C)
     qkv = attn.qkv(h).reshape(B * T, -1)  # [B*T, 3C]
     H = qkv.shape[1] // 3 // attn.head_dim

@@ -43,7 +43,8 @@ except ImportError:  # CPU-only installs: the op runs the reference
 def vit_attention_reference(
     qkv: Tensor, T: int, H: int, scale: float, wq: Tensor | None, wk: Tensor | None, eps: float
 ) -> Tensor:
-    """qkv [B*T, 3C] (q | k | v columns) -> heads' outputs [B*T, C], as `InternViTAttention.mix` computes them."""
+    """qkv [B*T, 3C] (q | k | v columns) -> heads' outputs [B*T, C], as `InternViTAttention.mix` computes them.
+    Kept beside `mix` rather than shared: `mix` calls its norm modules (TP swaps in sharded ones), this takes weights."""
     M, C3 = qkv.shape
     B, C = M // T, C3 // 3
     q, k, v = qkv.reshape(B, T, C3).chunk(3, dim=-1)  # 3 x [B, T, C]
