@@ -68,31 +68,61 @@ MAX_GRID_Y = (
 if triton is not None:
 
     @triton.jit
-    def _cls_partial(QKV, RKS, PM, PL, PA, rows, q0, k0, v0, ks0, qk_scale, stride_row, kcol, vcol, d, part, first,
+    def _cls_partial(k, v, RKS, PM, PL, PA, krows, q0, k0, v0, ks0, qk_scale, d, part, first,
                      NORM: tl.constexpr, D: tl.constexpr):  # fmt: skip
-        """The CLS query against one program's BLOCK_M patch keys (program 0: and the CLS key): its partial
-        (max, sum, output) for `_cls_merge_kernel`."""
-        kc = tl.load(QKV + rows[:, None] * stride_row + kcol[None, :]).to(tl.float32)  # [BLOCK_M, D]
-        s0 = tl.sum(kc * q0[None, :], axis=1)  # [BLOCK_M]
-        s0 = s0 * (tl.load(RKS + rows) if NORM else qk_scale)
+        """The CLS query against one program's patch keys k, v [BLOCK, D] (rows krows; program 0: and the CLS key):
+        its partial (max, sum, output) for `_cls_merge_kernel`."""
+        s0 = tl.sum(k.to(tl.float32) * q0[None, :], axis=1)  # [BLOCK]
+        s0 = s0 * (tl.load(RKS + krows) if NORM else qk_scale)
         s00 = tl.where(first, tl.sum(q0 * k0, axis=0) * ks0, float("-inf"))
         mp = tl.maximum(tl.max(s0, axis=0), s00)
         p0 = tl.math.exp2(s0 - mp)
         e00 = tl.math.exp2(s00 - mp)
-        vc = tl.load(QKV + rows[:, None] * stride_row + vcol[None, :]).to(tl.float32)  # [BLOCK_M, D]
         tl.store(PM + part, mp)
         tl.store(PL + part, tl.sum(p0, axis=0) + e00)
-        tl.store(PA + part * D + d, tl.sum(p0[:, None] * vc, axis=0) + e00 * v0)
+        tl.store(PA + part * D + d, tl.sum(p0[:, None] * v.to(tl.float32), axis=0) + e00 * v0)
+
+    @triton.jit
+    def _attend_block(q, k, v, m_i, l_i, acc, RKS, krows, qk_scale, NORM: tl.constexpr):
+        """Patch keys k, v [BLOCK_N, D] (rows krows) into the online softmax (m_i, l_i, acc) of q [BLOCK_M, D]."""
+        s = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N] fp32
+        if NORM:
+            s = s * tl.load(RKS + krows)[None, :]
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            p = tl.math.exp2(s - m_new[:, None])
+        else:  # one FMA per score
+            m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
+            p = tl.math.exp2(s * qk_scale - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        return m_new, l_i, acc
+
+    @triton.jit
+    def _load_kv(QKV, KDESC, base, base32, j, kcol, vcol, kc0, vc0, stride_row, BLOCK_N: tl.constexpr,
+                 TMA: tl.constexpr):  # fmt: skip
+        """Patch keys j .. j + BLOCK_N - 1 of one (tile, head): k, v [BLOCK_N, D] and their rows [BLOCK_N].
+        kc0, vc0: the head's first k / v column (the TMA boxes' column coordinates)."""
+        krows = base + 1 + j + tl.arange(0, BLOCK_N)
+        if TMA:
+            k = KDESC.load([base32 + 1 + j, kc0])
+            v = KDESC.load([base32 + 1 + j, vc0])
+        else:
+            k = tl.load(QKV + krows[:, None] * stride_row + kcol[None, :])
+            v = tl.load(QKV + krows[:, None] * stride_row + vcol[None, :])
+        return k, v, krows
 
     @triton.jit
     def _vit_attn_kernel(
         QKV, OUT, RQ, RKS, G, PM, PL, PA, T, H, C, stride_row, qk_scale, QDESC, KDESC,
         NORM: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        TMA: tl.constexpr = False, CLS: tl.constexpr = True,
+        TMA: tl.constexpr = False, CLS: tl.constexpr = True, OWN_FIRST: tl.constexpr = True,
     ):  # fmt: skip
         """RQ: rstd_q per row; RKS: rstd_k * scale * log2(e) per row; G: w_q * w_k (all fp32; NORM only).
         TMA: q, k, v tiles loaded through the tensor descriptors QDESC ([BLOCK_M, D] boxes) and KDESC ([BLOCK_N, D])
-        over the qkv rows. CLS=False (timing only) leaves the CLS token out."""
+        over the qkv rows. CLS=False (timing only) leaves the CLS token out.
+        OWN_FIRST and BLOCK_M == BLOCK_N: each program starts with its own patch keys (the block of its queries' rows) and takes
+        the CLS query's partial from those tiles; otherwise the keys in order, the partial's tiles loaded after."""
         pid_m = tl.program_id(0)  # which BLOCK_M patch queries (and patch keys, for the CLS query's partial)
         bh = tl.program_id(1)
         nq = tl.num_programs(0)
@@ -125,32 +155,34 @@ if triton is not None:
             m_i = tl.zeros([BLOCK_M], tl.float32) - float("inf")
             l_i = tl.zeros([BLOCK_M], tl.float32)
             acc = tl.zeros([BLOCK_M, D], tl.float32)
-        for j in tl.range(0, T - 1, BLOCK_N):  # the patch keys, full blocks
-            krows = base + 1 + j + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-            if TMA:
-                k = KDESC.load([base32 + 1 + j, C + h * D])
-            else:
-                k = tl.load(QKV + krows[:, None] * stride_row + kcol[None, :])  # [BLOCK_N, D]
-            s = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N] fp32
-            if NORM:
-                s = s * tl.load(RKS + krows)[None, :]
-                m_new = tl.maximum(m_i, tl.max(s, axis=1))
-                p = tl.math.exp2(s - m_new[:, None])
-            else:  # one FMA per score
-                m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
-                p = tl.math.exp2(s * qk_scale - m_new[:, None])
-            alpha = tl.math.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            if TMA:
-                v = KDESC.load([base32 + 1 + j, 2 * C + h * D])
-            else:
-                v = tl.load(QKV + krows[:, None] * stride_row + vcol[None, :])  # [BLOCK_N, D]
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-            m_i = m_new
+        kc0, vc0 = C + h * D, 2 * C + h * D
+        part = bh * nq + pid_m
+        if OWN_FIRST and BLOCK_M == BLOCK_N:  # own keys first: their tiles also give the CLS query's partial
+            nk = (T - 1) // BLOCK_N
+            k, v, krows = _load_kv(QKV, KDESC, base, base32, pid_m * BLOCK_N, kcol, vcol, kc0, vc0, stride_row,
+                                   BLOCK_N, TMA)  # fmt: skip
+            m_i, l_i, acc = _attend_block(q, k, v, m_i, l_i, acc, RKS, krows, qk_scale, NORM)
+            if CLS:
+                _cls_partial(
+                    k, v, RKS, PM, PL, PA, krows, q0, k0, v0, ks0, qk_scale, d, part, pid_m == 0, NORM, D
+                )
+            for jj in tl.range(1, nk):  # the other patch keys, full blocks, from the next block on
+                k, v, krows = _load_kv(QKV, KDESC, base, base32, ((pid_m + jj) % nk) * BLOCK_N, kcol, vcol, kc0,
+                                       vc0, stride_row, BLOCK_N, TMA)  # fmt: skip
+                m_i, l_i, acc = _attend_block(q, k, v, m_i, l_i, acc, RKS, krows, qk_scale, NORM)
+        else:
+            for j in tl.range(0, T - 1, BLOCK_N):  # the patch keys, full blocks
+                k, v, krows = _load_kv(
+                    QKV, KDESC, base, base32, j, kcol, vcol, kc0, vc0, stride_row, BLOCK_N, TMA
+                )
+                m_i, l_i, acc = _attend_block(q, k, v, m_i, l_i, acc, RKS, krows, qk_scale, NORM)
+            if CLS:  # the partial's tiles: this program's query rows as keys
+                k = tl.load(QKV + rows[:, None] * stride_row + kcol[None, :])  # [BLOCK_M, D]
+                v = tl.load(QKV + rows[:, None] * stride_row + vcol[None, :])
+                _cls_partial(
+                    k, v, RKS, PM, PL, PA, rows, q0, k0, v0, ks0, qk_scale, d, part, pid_m == 0, NORM, D
+                )
         tl.store(OUT + rows[:, None] * C + qcol[None, :], (acc / l_i[:, None]).to(OUT.dtype.element_ty))
-        if CLS:  # after the key loop: before it (loads issued early) measured no faster
-            _cls_partial(QKV, RKS, PM, PL, PA, rows, q0, k0, v0, ks0, qk_scale, stride_row, kcol, vcol, d,
-                         bh * nq + pid_m, pid_m == 0, NORM, D)  # fmt: skip
 
     @triton.jit
     def _cls_merge_kernel(PM, PL, PA, OUT, T, H, C, NQ: tl.constexpr, D: tl.constexpr):
@@ -206,10 +238,11 @@ def _(qkv, T, H, scale, wq, wk, eps):
 
 def _vit_attention_triton(
     qkv: Tensor, T: int, H: int, scale: float, wq: Tensor | None, wk: Tensor | None, eps: float,
-    cfg: tuple, cls: bool = True,
+    cfg: tuple, cls: bool = True, own_first: bool = True,
 ) -> Tensor:  # fmt: skip
     """cfg: (BLOCK_M, BLOCK_N, warps, stages[, TMA]); cls=False (timing only) leaves the CLS
-    token out: the patch rows then attend to the patch keys alone and row 0 is garbage."""
+    token out: the patch rows then attend to the patch keys alone and row 0 is garbage. own_first=False (timing
+    only): the keys in order and the CLS partial's tiles loaded after the loop, as before session 11."""
     block_m, block_n, warps, stages = cfg[:4]
     tma = len(cfg) > 4 and cfg[4]
     if qkv.stride(1) != 1:
@@ -238,7 +271,7 @@ def _vit_attention_triton(
         qd, kd = (TensorDescriptor.from_tensor(qkv, [b_, D]) for b_ in (block_m, block_n))
     _vit_attn_kernel[(nq, B * H)](
         qkv, o, rq, rk, g, pm, pl, pa, T, H, C, qkv.stride(0), scale * math.log2(math.e), qd, kd,
-        NORM=norm, D=D, BLOCK_M=block_m, BLOCK_N=block_n, TMA=tma, CLS=cls, num_warps=warps, num_stages=stages,
+        NORM=norm, D=D, BLOCK_M=block_m, BLOCK_N=block_n, TMA=tma, CLS=cls, OWN_FIRST=own_first, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     if cls:
         _cls_merge_kernel[(B * H,)](pm, pl, pa, o, T, H, C, NQ=nq, D=D)
