@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import hf_llm_sharing_weights, hf_sharing_weights, same_tokens  # noqa: E402
 
 from batchvl.engine import Engine, EngineConfig, Request, Sampling, packed_meta
+from batchvl.llm.decode_attention import decode_attention, decode_attention_reference
 from batchvl.llm.decode_step import decode_forward
 from batchvl.model.config import from_preset
 from batchvl.model.loader import random_model
@@ -219,6 +220,16 @@ def main() -> int:
             (preset, "decode-step logits, CUDA graph vs eager (both bf16) vs fp32", rel(graphed, eager))
         )
         rows.append((preset, "decode-step logits, CUDA graph bf16 vs fp32", rel(graphed, l32)))
+        # the decode attention op alone (Triton split-key kernel in bf16) vs its reference in fp32, at the seed
+        # job's decode shapes: 40 cache rows of 2048 slots, 33 of ~1990 valid keys, 7 padding rows of 1
+        c = cfg.llm
+        kc, vc = (torch.randn(40, c.num_kv_heads, 2048, c.head_dim, generator=g).to(dev) for _ in range(2))
+        qd = torch.randn(40, c.num_heads, c.head_dim, generator=g).to(dev)
+        kv_lens = torch.tensor([1990 - 3 * i for i in range(33)] + [1] * 7, device=dev)
+        with torch.inference_mode():
+            d16 = decode_attention(*(t.to(torch.bfloat16) for t in (qd, kc, vc)), kv_lens)
+            d32 = decode_attention_reference(qd, kc, vc, kv_lens)
+        rows.append((preset, "decode attention op (Triton kernel) bf16 vs fp32 reference", rel(d16, d32)))
     # bf16 limit: 1e-2, or for the LLM rows 1.25x transformers' own bf16 error on the same weights and inputs
     # (random weights make the LLM's bf16 error larger than trained weights do; both are printed)
     print("| model | check | value | limit |\n|---|---|---|---|")

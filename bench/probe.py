@@ -411,6 +411,42 @@ def decode(preset: str = "internvl2_5-8b", rows: int = 33, length: int = 1990) -
     row(f"padded to {vp}, sliced", f"{do_bench(lambda: F.linear(h, wp)[:, : c.vocab_size].float()):.3f}")
 
 
+def decattn() -> None:
+    """Decode attention alone at the seed jobs' decode shapes (a graph's cache: 40 rows x 2048 slots, 33 rows of
+    ~1990 valid keys, 7 padding rows of 1): the masked-SDPA reference vs the split-key Triton kernel, per layer."""
+    row("model", "variant", "us / layer", "GB/s (valid keys)", "rel err vs fp32")
+    row(*["---"] * 5)
+    for preset in ("internvl2_5-8b", "internvl2_5-38b"):
+        _decattn_preset(preset)
+
+
+def _decattn_preset(preset: str) -> None:
+    from triton.testing import do_bench
+
+    from batchvl.llm.decode_attention import _decode_attention_triton, decode_attention_reference, num_chunks
+
+    c = from_preset(preset).llm
+    rows, S = 40, 2048
+    kc, vc = (torch.randn(rows, c.num_kv_heads, S, c.head_dim, device=DEV, dtype=DT) for _ in range(2))
+    q = torch.randn(rows, c.num_heads, c.head_dim, device=DEV, dtype=DT)
+    lens = torch.tensor([1990 - 3 * i for i in range(33)] + [1] * 7, device=DEV)
+    ref = decode_attention_reference(q.float(), kc.float(), vc.float(), lens)
+    valid = int(lens.sum()) * c.num_kv_heads * c.head_dim * 2 * 2  # k and v bytes actually needed
+    cands = [("reference (masked SDPA)", lambda: decode_attention_reference(q, kc, vc, lens))]
+    base = num_chunks(rows, c.num_kv_heads, S)
+    for ns in sorted({base, 2 * base, max(1, base // 2), 16}):
+        for bn in (64, 128):
+            name = f"triton, {ns} chunks, BLOCK_N {bn}" + (" (default)" if (ns, bn) == (base, 64) else "")
+            cands.append((name, lambda ns=ns, bn=bn: _decode_attention_triton(q, kc, vc, lens, bn, ns)))
+    for name, fn in cands:
+        try:
+            err = float((fn().float() - ref).norm() / ref.norm())
+            us = do_bench(fn, return_mode="median") * 1e3
+            row(preset, name, f"{us:.1f}", f"{valid / us / 1e3:.0f}", f"{err:.2e}")
+        except Exception as ex:  # noqa: BLE001
+            row(preset, name, f"{type(ex).__name__}: {str(ex)[:200]}", "-", "-")
+
+
 def resid(tiles: int = 64) -> None:
     """Can the residual add ride in the GEMM? Per ViT "row-parallel linear + layer scale + residual + next norm" at
     64 tiles: (A) the compiled encoder's way, F.linear then one Inductor kernel (reads GEMM out + residual, writes
@@ -1235,6 +1271,7 @@ if __name__ == "__main__":
         "padded": padded,
         "resid": resid,
         "decode": decode,
+        "decattn": decattn,
         "vit300": vit300,
         "vit": vit,
         "parts": parts,

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from batchvl.encoder.internvit_compiled import sdpa_context
+from batchvl.llm.decode_attention import decode_attention, decode_attention_reference  # noqa: F401 (re-exported)
 
 
 @dataclass
@@ -190,19 +191,3 @@ def prefill_per_seq(q, k, v, meta: AttnMeta, backend: str = "cudnn") -> torch.Te
     cu = meta.cu_seqlens_host if meta.cu_seqlens_host is not None else meta.cu_seqlens.cpu()
     # v is a view of the qkv output: made contiguous here, a compiled layer writes it in its RoPE kernel's pass
     return causal_attn_per_seq(q, k, v.contiguous(), cu, backend)
-
-
-def decode_attention(q, k_cache, v_cache, kv_lens) -> torch.Tensor:
-    """q [B, H, D] against cache rows [B, Hkv, S, D], keys < kv_lens[b] valid -> [B, H, D].
-    GQA without copying the cache: the `rep` query heads of one kv head become that head's query rows, so SDPA
-    sees [B, Hkv, rep, D] queries and plain (non-GQA) keys, and a [B, 1, 1, S] mask picks the valid ones. On CUDA
-    that takes a fused kernel that keeps the scores in fp32 (SDPA with GQA and a mask falls back to its math path,
-    and bf16 batched GEMMs round the scores to bf16, which was measured to flip greedy tokens)."""
-    b, h, d = q.shape
-    hkv, s = k_cache.shape[1], k_cache.shape[2]
-    qg = q.view(b, hkv, h // hkv, d)  # [B, Hkv, rep, D]
-    valid = torch.arange(s, device=q.device)[None, :] < kv_lens[:, None]  # [B, S]
-    out = F.scaled_dot_product_attention(
-        qg, k_cache, v_cache, attn_mask=valid[:, None, None, :]
-    )  # [B, Hkv, rep, D]
-    return out.reshape(b, h, d)
