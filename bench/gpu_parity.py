@@ -213,8 +213,10 @@ def main() -> int:
         eng = Engine(fast, cfg, EngineConfig(), dev, torch.bfloat16)
         with torch.inference_mode():
             p16, p32 = eng.prefill(reqs, s), e32.prefill(reqs, s)
-            graphed = eng.decode_step(p16.tok, p16.lens, p16.cache)[:3].clone()
-            eager = decode_forward(fast.llm, p16.tok, p16.lens, p16.cache)[:3]
+            # the fp32 engine's first tokens for both (a first token flipped by bf16 would make the rows compare
+            # steps over different tokens)
+            graphed = eng.decode_step(p32.tok.clone(), p16.lens, p16.cache)[:3].clone()
+            eager = decode_forward(fast.llm, p32.tok.clone(), p16.lens, p16.cache)[:3]
             l32 = decode_forward(ref.llm, p32.tok, p32.lens, p32.cache)[:3]
         rows.append(
             (preset, "decode-step logits, CUDA graph vs eager (both bf16) vs fp32", rel(graphed, eager))
@@ -223,8 +225,11 @@ def main() -> int:
         # the decode attention op alone (Triton split-key kernel in bf16) vs its reference in fp32, at the seed
         # job's decode shapes: 40 cache rows of 2048 slots, 33 of ~1990 valid keys, 7 padding rows of 1
         c = cfg.llm
-        kc, vc = (torch.randn(40, c.num_kv_heads, 2048, c.head_dim, generator=g).to(dev) for _ in range(2))
-        qd = torch.randn(40, c.num_heads, c.head_dim, generator=g).to(dev)
+        gd = torch.Generator(device="cpu").manual_seed(
+            1
+        )  # its own: the next preset's inputs stay as they were
+        kc, vc = (torch.randn(40, c.num_kv_heads, 2048, c.head_dim, generator=gd).to(dev) for _ in range(2))
+        qd = torch.randn(40, c.num_heads, c.head_dim, generator=gd).to(dev)
         kv_lens = torch.tensor([1990 - 3 * i for i in range(33)] + [1] * 7, device=dev)
         with torch.inference_mode():
             d16 = decode_attention(*(t.to(torch.bfloat16) for t in (qd, kc, vc)), kv_lens)

@@ -1242,10 +1242,6 @@ def _vitattn_preset(preset: str, tiles: int, cands: dict) -> None:
         row("  of which: the two rstd reductions (Triton path)", f"{ms:.3f}", "-", "-")
     for cfg in cands[D]:
         report(f"triton {cfg}", lambda cfg=cfg: _vit_attention_triton(qkv, T, H, scale, wq, wk, eps, cfg))
-    if cands[D][0][0] == cands[D][0][1]:  # session 11: own keys first (partial from their tiles) vs in order
-        cfg = cands[D][0]
-        report(f"triton {cfg}, keys in order, partial's tiles loaded after (session 10)",
-               lambda: _vit_attention_triton(qkv, T, H, scale, wq, wk, eps, cfg, own_first=False))  # fmt: skip
     for cfg in cands[D][:2]:
         with torch.inference_mode():
             ms = do_bench(lambda cfg=cfg: _vit_attention_triton(qkv, T, H, scale, wq, wk, eps, cfg, cls=False),

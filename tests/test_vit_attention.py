@@ -38,7 +38,7 @@ def test_reference_and_cpu_op_are_the_eager_mix(vision) -> None:
 
 def test_kernel_in_the_interpreter() -> None:
     """`_vit_attention_triton` (TRITON_INTERPRET=1) = the reference over all rows, the CLS row included: pointer and
-    TMA loads, BLOCK_M = / != BLOCK_N (equal: own keys first, or in order), with and without the folded q/k RMSNorm; fp32 below 1e-6 by norm, fp16 below
+    TMA loads, BLOCK_M = / != BLOCK_N, with and without the folded q/k RMSNorm; fp32 below 1e-6 by norm, fp16 below
     2e-3 against fp32 sums. Then the op's own dispatch (`CONFIGS`) at T = 1 + 256, and where it must not run."""
     pytest.importorskip("triton")
     code = textwrap.dedent(
@@ -48,16 +48,14 @@ def test_kernel_in_the_interpreter() -> None:
             _vit_attention_triton, kernel_config, vit_attention, vit_attention_reference)
         torch.manual_seed(0)
         worst = {}
-        runs = [(cfg, True) for cfg in ((16, 32, 4, 1), (32, 16, 4, 1), (16, 16, 4, 1), (16, 32, 4, 1, True),
-                                        (32, 32, 4, 1, True))] + [((16, 16, 4, 1, True), False)]
-        for cfg, own_first in runs:
+        for cfg in ((16, 32, 4, 1), (32, 16, 4, 1), (16, 16, 4, 1), (16, 32, 4, 1, True), (32, 32, 4, 1, True)):
             for norm in (False, True):
                 for dt in (torch.float32, torch.float16):
                     B, T, H, D = 2, 1 + 64, 3, 32
                     C = H * D
                     qkv = (torch.randn(B * T, 3 * C) * 1.5).to(dt)
                     w = [(1 + 0.3 * torch.randn(C)).to(dt) for _ in range(2)] if norm else [None, None]
-                    got = _vit_attention_triton(qkv, T, H, D**-0.5, *w, 1e-6, cfg, own_first=own_first).float()
+                    got = _vit_attention_triton(qkv, T, H, D**-0.5, *w, 1e-6, cfg).float()
                     wf = [t.float() if t is not None else None for t in w]
                     ref = vit_attention_reference(qkv.float(), T, H, D**-0.5, *wf, 1e-6)
                     err = float((got - ref).norm() / ref.norm())

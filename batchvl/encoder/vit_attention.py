@@ -116,13 +116,11 @@ if triton is not None:
     def _vit_attn_kernel(
         QKV, OUT, RQ, RKS, G, PM, PL, PA, T, H, C, stride_row, qk_scale, QDESC, KDESC,
         NORM: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        TMA: tl.constexpr = False, CLS: tl.constexpr = True, OWN_FIRST: tl.constexpr = True,
+        TMA: tl.constexpr = False, CLS: tl.constexpr = True,
     ):  # fmt: skip
         """RQ: rstd_q per row; RKS: rstd_k * scale * log2(e) per row; G: w_q * w_k (all fp32; NORM only).
         TMA: q, k, v tiles loaded through the tensor descriptors QDESC ([BLOCK_M, D] boxes) and KDESC ([BLOCK_N, D])
-        over the qkv rows. CLS=False (timing only) leaves the CLS token out.
-        OWN_FIRST and BLOCK_M == BLOCK_N: each program starts with its own patch keys (the block of its queries' rows) and takes
-        the CLS query's partial from those tiles; otherwise the keys in order, the partial's tiles loaded after."""
+        over the qkv rows. CLS=False (timing only) leaves the CLS token out."""
         pid_m = tl.program_id(0)  # which BLOCK_M patch queries (and patch keys, for the CLS query's partial)
         bh = tl.program_id(1)
         nq = tl.num_programs(0)
@@ -156,32 +154,33 @@ if triton is not None:
             l_i = tl.zeros([BLOCK_M], tl.float32)
             acc = tl.zeros([BLOCK_M, D], tl.float32)
         kc0, vc0 = C + h * D, 2 * C + h * D
-        part = bh * nq + pid_m
-        if OWN_FIRST and BLOCK_M == BLOCK_N:  # own keys first: their tiles also give the CLS query's partial
-            nk = (T - 1) // BLOCK_N
-            k, v, krows = _load_kv(QKV, KDESC, base, base32, pid_m * BLOCK_N, kcol, vcol, kc0, vc0, stride_row,
-                                   BLOCK_N, TMA)  # fmt: skip
+        for j in tl.range(0, T - 1, BLOCK_N):  # the patch keys, full blocks
+            k, v, krows = _load_kv(
+                QKV, KDESC, base, base32, j, kcol, vcol, kc0, vc0, stride_row, BLOCK_N, TMA
+            )
             m_i, l_i, acc = _attend_block(q, k, v, m_i, l_i, acc, RKS, krows, qk_scale, NORM)
-            if CLS:
-                _cls_partial(
-                    k, v, RKS, PM, PL, PA, krows, q0, k0, v0, ks0, qk_scale, d, part, pid_m == 0, NORM, D
-                )
-            for jj in tl.range(1, nk):  # the other patch keys, full blocks, from the next block on
-                k, v, krows = _load_kv(QKV, KDESC, base, base32, ((pid_m + jj) % nk) * BLOCK_N, kcol, vcol, kc0,
-                                       vc0, stride_row, BLOCK_N, TMA)  # fmt: skip
-                m_i, l_i, acc = _attend_block(q, k, v, m_i, l_i, acc, RKS, krows, qk_scale, NORM)
-        else:
-            for j in tl.range(0, T - 1, BLOCK_N):  # the patch keys, full blocks
-                k, v, krows = _load_kv(
-                    QKV, KDESC, base, base32, j, kcol, vcol, kc0, vc0, stride_row, BLOCK_N, TMA
-                )
-                m_i, l_i, acc = _attend_block(q, k, v, m_i, l_i, acc, RKS, krows, qk_scale, NORM)
-            if CLS:  # the partial's tiles: this program's query rows as keys
-                k = tl.load(QKV + rows[:, None] * stride_row + kcol[None, :])  # [BLOCK_M, D]
-                v = tl.load(QKV + rows[:, None] * stride_row + vcol[None, :])
-                _cls_partial(
-                    k, v, RKS, PM, PL, PA, rows, q0, k0, v0, ks0, qk_scale, d, part, pid_m == 0, NORM, D
-                )
+        if CLS:  # after the key loop, before the output's store: the partial's tiles are this program's rows as keys
+            k = tl.load(QKV + rows[:, None] * stride_row + kcol[None, :])  # [BLOCK_M, D]
+            v = tl.load(QKV + rows[:, None] * stride_row + vcol[None, :])
+            _cls_partial(
+                k,
+                v,
+                RKS,
+                PM,
+                PL,
+                PA,
+                rows,
+                q0,
+                k0,
+                v0,
+                ks0,
+                qk_scale,
+                d,
+                bh * nq + pid_m,
+                pid_m == 0,
+                NORM,
+                D,
+            )
         tl.store(OUT + rows[:, None] * C + qcol[None, :], (acc / l_i[:, None]).to(OUT.dtype.element_ty))
 
     @triton.jit
@@ -238,11 +237,10 @@ def _(qkv, T, H, scale, wq, wk, eps):
 
 def _vit_attention_triton(
     qkv: Tensor, T: int, H: int, scale: float, wq: Tensor | None, wk: Tensor | None, eps: float,
-    cfg: tuple, cls: bool = True, own_first: bool = True,
+    cfg: tuple, cls: bool = True,
 ) -> Tensor:  # fmt: skip
     """cfg: (BLOCK_M, BLOCK_N, warps, stages[, TMA]); cls=False (timing only) leaves the CLS
-    token out: the patch rows then attend to the patch keys alone and row 0 is garbage. own_first=False (timing
-    only): the keys in order and the CLS partial's tiles loaded after the loop, as before session 11."""
+    token out: the patch rows then attend to the patch keys alone and row 0 is garbage."""
     block_m, block_n, warps, stages = cfg[:4]
     tma = len(cfg) > 4 and cfg[4]
     if qkv.stride(1) != 1:
@@ -271,7 +269,7 @@ def _vit_attention_triton(
         qd, kd = (TensorDescriptor.from_tensor(qkv, [b_, D]) for b_ in (block_m, block_n))
     _vit_attn_kernel[(nq, B * H)](
         qkv, o, rq, rk, g, pm, pl, pa, T, H, C, qkv.stride(0), scale * math.log2(math.e), qd, kd,
-        NORM=norm, D=D, BLOCK_M=block_m, BLOCK_N=block_n, TMA=tma, CLS=cls, OWN_FIRST=own_first, num_warps=warps, num_stages=stages,
+        NORM=norm, D=D, BLOCK_M=block_m, BLOCK_N=block_n, TMA=tma, CLS=cls, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     if cls:
         _cls_merge_kernel[(B * H,)](pm, pl, pa, o, T, H, C, NQ=nq, D=D)

@@ -170,7 +170,7 @@ def causal_attn_per_seq(
 
 @causal_attn_per_seq.register_fake
 def _(q, k, v, cu_seqlens_host, backend):
-    return torch.empty_like(q)
+    return q.new_empty(q.shape)  # contiguous, as the cat returns it
 
 
 def warm_per_seq(
