@@ -16,10 +16,11 @@ s11a)  # session 11: the 300M Triton attention with own keys first vs in order; 
   timeout 120 python3 bench/probe.py vitattn internvl2_5-8b 2>&1 | tee "$out/probe_vitattn.log" | grep -E '^\||^#|Error|error'
   timeout 100 python3 bench/probe.py decattn 2>&1 | tee "$out/probe_decattn.log" | grep -E '^\||^#|Error|error'
   timeout 320 python3 bench/gpu_parity.py 2>&1 | tee "$out/parity.log" | grep -E '^\||step|Error|error' ;;
-s11b)  # session 11: the 8B seed job without caches vs transformers b=32 (~6 min), then the 300M at 64 tiles (~1.5 min)
-  timeout 420 python3 bench/e2e.py --preset internvl2_5-8b --n 500 --hf-n 64 --hf-batches 32 --budget 65536 \
+s11b)  # session 11: the 8B seed job without caches vs transformers b=32 (~6 min), then the 300M at 16 / 64 / 128
+  # tiles, no transformers rows (~2.5 min)
+  timeout 390 python3 bench/e2e.py --preset internvl2_5-8b --n 500 --hf-n 64 --hf-batches 32 --budget 65536 \
     --modes nocache,hf 2>&1 | tee "$out/e2e_8b.log" | grep -E 'compiled|stages|graphs captured|windows|^\||ceiling|RESULT|Error'
-  timeout 150 python3 bench/vit.py --models 300m --batches 64 --mode default --skip-hf 2>&1 \
+  timeout 190 python3 bench/vit.py --models 300m --batches 16,64,128 --mode default --skip-hf 2>&1 \
     | tee "$out/vit_300m.log" | grep -E '^\||tiles/s|Error|error' ;;
 s10-300m)  # the 300M encoder at 16, 64 and 128 tiles with session 10's defaults (Triton attention + residuals in
   # place), no transformers rows (~3 min with the machine start)
