@@ -78,6 +78,9 @@ class EngineConfig:
     # LLM prefill: "auto" | "sdpa" | "varlen" | "cudnn" (per-sequence SDPA); auto: cuDNN per sequence on Hopper
     # when a batch's sequences average >= PER_SEQ_MIN_MEAN tokens, else flash varlen (CUDA) or sdpa
     attn_backend: str = "auto"
+    # prefill: the last decoder layer's attention output, residuals and MLP for each sequence's last token only (its
+    # k / v for all tokens); nothing else reads them (`Decoder.forward(last=...)`)
+    last_layer_last_tokens: bool = True
 
 
 @dataclass
@@ -321,9 +324,10 @@ class Engine:
         h = self.model.embed(flat, torch.cat(img, 0) if img else None)
         pos, meta = packed_meta(lengths, prefix_lens, self.device)
         meta.per_seq = self.cudnn_prefill and sum(lengths) >= PER_SEQ_MIN_MEAN * len(lengths)
-        h = llm(h, pos, meta, cache, max_position=longest - 1)
-        last = h[meta.cu_seqlens[1:].long() - 1]  # only last tokens go through lm_head
-        return llm.logits(last), cache
+        last = meta.cu_seqlens[1:].long() - 1  # only last tokens go through lm_head
+        if self.ecfg.last_layer_last_tokens:  # and through the last layer's attention output and MLP
+            return llm.logits(llm(h, pos, meta, cache, max_position=longest - 1, last=last)), cache
+        return llm.logits(llm(h, pos, meta, cache, max_position=longest - 1)[last]), cache
 
     def _arena_shape(self, rows: int, max_len: int) -> tuple[int, int]:
         """A batch's KV-cache shape in the arena: rows and length padded so decode graphs repeat."""

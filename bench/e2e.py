@@ -29,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     hf_sharing_weights,
+    llm_linear_params,
     llm_prefill_flops,
     matmul_ceiling,
     request_flops,
@@ -181,7 +182,8 @@ def main() -> None:
         default="nocache,cache,hf",
         help="nocache, cache, hf; -cllm leaves the LLM layers eager; +overlap runs the ViT under the previous decode; "
         "+prefetch runs the next batch's ViT under this batch's prefill; "
-        "+cudnn: LLM prefill attention per sequence through cuDNN instead of flash varlen",
+        "+cudnn: LLM prefill attention per sequence through cuDNN instead of flash varlen; "
+        "-fulllast: the last LLM layer for every token (not only each prompt's last)",
     )
     ap.add_argument("--compile-vit", type=int, default=None, help="1 (default; 0 with --smoke)")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU, a few requests")
@@ -245,13 +247,13 @@ def main() -> None:
     encode_fp8 = compiled_vit(fp8=True) if "+fp8" in a.modes else None
     table, tokens, eng = [], {}, None
     for mode in a.modes.split(","):
-        if mode.split("+")[0] in ("nocache", "cache"):
+        if mode.split("+")[0].split("-")[0] in ("nocache", "cache"):
             cached = mode.startswith("cache")
             ecfg = EngineConfig(max_prefill_tokens=a.budget, max_vit_tiles=a.max_vit_tiles, image_cache=cached,
                                 prefix_cache=cached, compile_llm="-cllm" not in mode,
                                 overlap_vit="+overlap" in mode or "+prefetch" in mode,
                                 attn_backend="cudnn" if "+cudnn" in mode else "varlen" if "+varlen" in mode
-                                else "auto")  # fmt: skip
+                                else "auto", last_layer_last_tokens="-fulllast" not in mode)  # fmt: skip
             budget = a.cache_budget if cached else a.budget
             enc_fn = encode_fp8 if "+fp8" in mode else encode_fn
             eng = Engine(model, cfg, ecfg, dev, dtype, encode_fn=enc_fn)
@@ -330,6 +332,12 @@ def main() -> None:
     ceil = ceiling["events_b2b"]
     print(f"\nMFU vs {ceil:.0f} TFLOP/s (8192^3 bf16, CUDA events back-to-back); "
           f"do_bench median ceiling {ceiling['do_bench_median']:.0f}")  # fmt: skip
+    c = cfg.llm
+    skipped = (c.num_heads * c.head_dim * c.hidden_size * 2 + 3 * c.hidden_size * c.intermediate_size) / (
+        llm_linear_params(c)
+    )  # the last layer's q, o_proj and MLP, per non-last token
+    print(f"TFLOP/s and MFU count every run's full model FLOPs; batchvl's default last_layer_last_tokens skips "
+          f"{skipped:.1%} of the LLM's linear FLOPs (the last layer's q, o_proj and MLP for all but the last tokens)")  # fmt: skip
     print("| run | req/s | input tok/s | TFLOP/s | MFU | x transformers best | peak GiB |")
     print("|---|---|---|---|---|---|---|")
     for r in table:

@@ -167,7 +167,13 @@ def main() -> int:
             del hf, cu
             # the shared-prefix path: new tokens after a cached prefix (varlen over gathered keys)
             eng16 = Engine(fast, cfg, EngineConfig(prefix_cache=True, compile_llm=False), dev, torch.bfloat16)
-            eng32 = Engine(ref, cfg, EngineConfig(attn_backend="sdpa", compile_llm=False), dev, torch.float32)
+            eng32 = Engine(
+                ref,
+                cfg,
+                EngineConfig(attn_backend="sdpa", compile_llm=False, last_layer_last_tokens=False),
+                dev,
+                torch.float32,
+            )
             img = [cfg.image_token_id] * (256 * 7)
             preqs = [Request(torch.tensor(list(range(100, 140)) + img + q.tolist()[:50]), pv.cpu(), "tiger")
                      for q in ids]  # fmt: skip
@@ -177,6 +183,15 @@ def main() -> int:
             f32_, _ = eng32.encode(preqs)
             b, _ = eng32._prefill([r.input_ids for r in preqs], f32_, [0] * 3, None, extra=0)
             rows.append((preset, "last-token logits, prefix cache + varlen bf16 vs fp32", rel(a, b)))
+            # no prefix: the last layer for each prompt's last token only (the default) vs for every token
+            ids3, full32 = [r.input_ids for r in preqs], b
+            for name, last_only in (("last tokens only", True), ("every token", False)):
+                e = Engine(fast, cfg, EngineConfig(last_layer_last_tokens=last_only), dev, torch.bfloat16)
+                lg, _ = e._prefill(ids3, f16, [0] * 3, None, extra=0)
+                rows.append((preset, f"last-token logits, compiled layers, last layer for {name} bf16 vs fp32",
+                             rel(lg, full32)))  # fmt: skip
+            for layer in fast.llm.layers:  # the rows below choose eager or compiled layers themselves
+                layer._compiled_call_impl = None
             if cfg.llm.arch == "qwen2":
                 hf = hf_sharing_weights(fast, cfg)
                 seq = preqs[0].input_ids[None].to(dev)
@@ -189,7 +204,13 @@ def main() -> int:
         reqs = [Request(torch.tensor(list(range(100, 140)) + img + q.tolist()[:50]), pv.cpu(), "tiger")
                 for q in ids]  # fmt: skip
         s = Sampling(max_new_tokens=4, ignore_eos=True)
-        e32 = Engine(ref, cfg, EngineConfig(attn_backend="sdpa", compile_llm=False), dev, torch.float32)
+        e32 = Engine(
+            ref,
+            cfg,
+            EngineConfig(attn_backend="sdpa", compile_llm=False, last_layer_last_tokens=False),
+            dev,
+            torch.float32,
+        )
         want = e32.run_batch(reqs, s).output_ids
         for name, ecfg in (("bf16 varlen, eager layers and decode", EngineConfig(cuda_graphs=False, compile_llm=False)),
                            ("bf16 varlen, eager layers, graphed decode", EngineConfig(compile_llm=False)),

@@ -139,6 +139,39 @@ def test_prefix_in_cache_equals_full_prefill():
     torch.testing.assert_close(tail, full[12:], **TOL)
 
 
+def test_last_layer_for_last_tokens_equals_full():
+    """`Decoder.forward(last=...)` (the last layer's queries, attention output and MLP for each sequence's last token
+    only) = the full forward's rows `last`, and leaves the same KV cache; also after a cached prefix, and with qkv
+    bias (Qwen2) and without (InternLM2). Asking for it without a cache, or in a decode step, is an error."""
+    import dataclasses
+
+    import pytest
+
+    g = torch.Generator().manual_seed(5)
+    for cfg in (CFG, dataclasses.replace(CFG, arch="internlm2", qkv_bias=False)):
+        dec = _decoder(cfg)
+        seqs = [torch.randint(0, 1000, (n,), generator=g) for n in (7, 1, 23, 12)]
+        lens = [len(t) for t in seqs]
+        for prefix in ([0, 0, 0, 0], [5, 0, 9, 3]):
+            caches = [KVCache(2, 4, 40, 2, 16, "cpu", torch.float32) for _ in range(2)]
+            if any(prefix):
+                for c in caches:  # the prefix's k / v as a first prefill left them
+                    _run(dec, [torch.randint(0, 1000, (max(p, 1),), generator=g) for p in prefix], c)
+                caches[1].k.copy_(caches[0].k)
+                caches[1].v.copy_(caches[0].v)
+            pos, meta = packed_meta(lens, prefix, "cpu")
+            last = meta.cu_seqlens[1:].long() - 1
+            with torch.no_grad():
+                h = dec.embed_tokens(torch.cat(seqs))
+                want = dec.logits(dec(h, pos, meta, caches[0])[last])
+                got = dec.logits(dec(h, pos, meta, caches[1], last=last))
+            torch.testing.assert_close(got, want, **TOL)
+            torch.testing.assert_close(caches[1].k, caches[0].k, **TOL)
+            torch.testing.assert_close(caches[1].v, caches[0].v, **TOL)
+        with pytest.raises(ValueError, match="prefill into a KV cache"):
+            dec(h, pos, meta, None, last=last)
+
+
 def _pack_wqkv(q, k, v, n_heads, n_kv, head_dim):
     """InternLM2's layout, written from its documentation: per kv group, its q heads, then k, then v."""
     hidden = q.shape[1]

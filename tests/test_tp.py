@@ -34,4 +34,7 @@ def test_llm_tp_equals_one_process(tmp_path, tp, one_process):
     one = one_process
     many = _torchrun(tp, tmp_path / f"tp{tp}.pt")
     torch.testing.assert_close(many["logits"], one["logits"], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(many["last_logits"], one["last_logits"], atol=1e-5, rtol=1e-4)
+    last = torch.tensor([5, 11, 3]).cumsum(0) - 1
+    torch.testing.assert_close(one["last_logits"], one["logits"][last], atol=1e-5, rtol=1e-4)
     assert many["tokens"] == one["tokens"]

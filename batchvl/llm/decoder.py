@@ -122,6 +122,25 @@ class Attention(nn.Module):
                 o = prefill_sdpa(q, k, v, meta, kc, vc)
         return self.o_proj(o.reshape(t, q_sz))
 
+    def forward_last(
+        self, x, cos, sin, meta: AttnMeta, kv: tuple[torch.Tensor, torch.Tensor], last: torch.Tensor
+    ) -> torch.Tensor:
+        """`forward(...)[last]` for a prefill into a cache, computing only those queries: x [T, hidden], last [B]
+        (sequence b's last token; sequence b sits in cache row b, as `packed_meta` places it) -> [B, hidden].
+        Every row's k / v still goes into the cache; the B queries then attend to their rows' keys there."""
+        t, n = x.shape[0], last.shape[0]
+        q_sz, kv_sz = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+        w, b = self.qkv.weight, self.qkv.bias
+        k, v = F.linear(x, w[q_sz:], b[q_sz:] if b is not None else None).split([kv_sz, kv_sz], dim=-1)
+        k = apply_rope(k.view(t, self.n_kv, self.head_dim), cos, sin)  # [T, kv_heads, head_dim]
+        kc, vc = kv
+        kc[meta.slot_b, :, meta.slot_pos] = k
+        vc[meta.slot_b, :, meta.slot_pos] = v.view(t, self.n_kv, self.head_dim)
+        q = F.linear(x[last], w[:q_sz], b[:q_sz] if b is not None else None)  # [B, heads * head_dim]
+        q = apply_rope(q.view(n, self.n_heads, self.head_dim), cos[last], sin[last])
+        o = decode_attention(q, kc[:n], vc[:n], meta.slot_pos[last] + 1)  # [B, heads, head_dim]
+        return self.o_proj(o.reshape(n, q_sz))
+
 
 class MLP(nn.Module):
     def __init__(self, cfg: LLMConfig):
@@ -148,6 +167,12 @@ class DecoderLayer(nn.Module):
         x = x + self.attn(self.input_norm(x), cos, sin, meta, kv)
         return x + self.mlp(self.post_attn_norm(x))
 
+    def forward_last(self, x, cos, sin, meta, kv, last: torch.Tensor) -> torch.Tensor:
+        """`forward(...)[last]` (a prefill into a cache; see `Attention.forward_last`): the attention output, the
+        residuals and the MLP for the B rows `last` only -> [B, hidden]."""
+        x = x[last] + self.attn.forward_last(self.input_norm(x), cos, sin, meta, kv, last)
+        return x + self.mlp(self.post_attn_norm(x))
+
 
 class Decoder(nn.Module):
     def __init__(self, cfg: LLMConfig):
@@ -169,15 +194,22 @@ class Decoder(nn.Module):
 
     def forward(
         self, h: torch.Tensor, pos: torch.Tensor, meta: AttnMeta, cache: KVCache | None,
-        max_position: int | None = None,
+        max_position: int | None = None, last: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """h [T, hidden] input embeddings, pos [T] -> final-normed hidden [T, hidden].
-        max_position: the largest of `pos` when the caller knows it (no device sync); -1: checked already."""
+        max_position: the largest of `pos` when the caller knows it (no device sync); -1: checked already.
+        last: rows [B] (each sequence's last token, in a prefill into `cache`) -> only those rows, [B, hidden]. No
+        later layer reads the last layer's outputs, so it computes them for those rows alone (its k / v for all)."""
         if self.rotary.max_pos is not None and max_position != -1:
             self.check_position(int(pos.max()) if max_position is None else max_position)
+        if last is not None and (cache is None or meta.is_decode):
+            raise ValueError("Decoder(last=...) is for a prefill into a KV cache")
         cos, sin = self.rotary(pos)
-        for i, layer in enumerate(self.layers):
+        full = len(self.layers) - (last is not None)
+        for i, layer in enumerate(self.layers[:full]):
             h = layer(h, cos, sin, meta, cache.layer(i) if cache is not None else None)
+        if last is not None:
+            h = self.layers[full].forward_last(h, cos, sin, meta, cache.layer(full), last)
         return self.norm(h)
 
     def pad_vocab(self, multiple: int = 128) -> None:

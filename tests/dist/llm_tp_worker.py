@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from batchvl.engine import Engine, Request, Sampling, packed_meta
+from batchvl.llm.kv_cache import KVCache
 from batchvl.llm.tp import shard_llm
 from batchvl.model.config import from_preset
 from batchvl.model.loader import random_model
@@ -25,11 +26,16 @@ def main(out: str) -> None:
     with torch.no_grad():
         pos, meta = packed_meta([len(s) for s in seqs], [0, 0, 0], "cpu")
         logits = model.llm.logits(model.llm(model.llm.embed_tokens(torch.cat(seqs)), pos, meta, None))
+        # the last layer for the last tokens only (the engine's default prefill), into a cache
+        cache = KVCache(cfg.llm.num_layers, 3, 11, cfg.llm.num_kv_heads // world, cfg.llm.head_dim, "cpu",
+                        torch.float32)  # fmt: skip
+        last = meta.cu_seqlens[1:].long() - 1
+        last_logits = model.llm.logits(model.llm(model.llm.embed_tokens(torch.cat(seqs)), pos, meta, cache, last=last))
     pv = torch.randn(1, 3, 448, 448, generator=g)
     ids = torch.tensor([1, 2, 3] + [cfg.image_token_id] * 256 + [4, 5])
     toks = Engine(model, cfg).run_batch([Request(ids, pv), Request(seqs[1])], Sampling(5, ignore_eos=True))
     if rank == 0:
-        torch.save({"logits": logits, "tokens": toks.output_ids}, out)
+        torch.save({"logits": logits, "last_logits": last_logits, "tokens": toks.output_ids}, out)
     dist.destroy_process_group()
 
 
