@@ -207,6 +207,8 @@ class Engine:
             layer.attn.backend = self.ecfg.attn_backend
             if compile_llm and getattr(layer, "_compiled_call_impl", None) is None:
                 layer.compile(dynamic=True)  # one graph, reused by every layer (parameters are inputs)
+        if compile_llm and self.ecfg.last_layer_last_tokens and model.llm.compiled_last is None:
+            model.llm.compiled_last = torch.compile(model.llm.layers[-1].forward_last, dynamic=True)
 
     def batch_bytes(self, max_tokens: int, max_new_tokens: int) -> int:
         """Rough peak device memory of one batch of `max_tokens` prompt tokens: its KV cache plus the largest

@@ -192,6 +192,7 @@ def main() -> int:
                              rel(lg, full32)))  # fmt: skip
             for layer in fast.llm.layers:  # the rows below choose eager or compiled layers themselves
                 layer._compiled_call_impl = None
+            fast.llm.compiled_last = None
             if cfg.llm.arch == "qwen2":
                 hf = hf_sharing_weights(fast, cfg)
                 seq = preqs[0].input_ids[None].to(dev)

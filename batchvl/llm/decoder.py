@@ -5,6 +5,8 @@ Packed interface: hidden states are flat [T, hidden] (no padding); `AttnMeta` sa
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -184,6 +186,8 @@ class Decoder(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg)
         self._head_padded: torch.Tensor | None = None  # lm_head rows padded in storage (`pad_vocab`)
+        # the last layer's `forward_last` as the caller compiled it (the engine, with compile_llm), or None: eager
+        self.compiled_last: Callable | None = None
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -209,7 +213,8 @@ class Decoder(nn.Module):
         for i, layer in enumerate(self.layers[:full]):
             h = layer(h, cos, sin, meta, cache.layer(i) if cache is not None else None)
         if last is not None:
-            h = self.layers[full].forward_last(h, cos, sin, meta, cache.layer(full), last)
+            last_fn = self.compiled_last or self.layers[full].forward_last
+            h = last_fn(h, cos, sin, meta, cache.layer(full), last)
         return self.norm(h)
 
     def pad_vocab(self, multiple: int = 128) -> None:
