@@ -57,7 +57,7 @@ def vit_attention_reference(
 
 INTERPRET = triton_interpreting()  # read once: `kernel_config` also runs while Dynamo traces
 # (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA loads) per head_dim, from `bench/probe.py vitattn`
-# (H200, 64 tiles, bench/RESULTS.md session 10): at head_dim 64 (300M) 0.786 ms against cuDNN's 0.864. No entry for
+# (H200, 64 tiles, bench/RESULTS.md sessions 10-11): at head_dim 64 (300M) 0.735 ms against cuDNN's 0.864. No entry for
 # 128 (6B): the best candidate took 2.713 ms against 2.459 for Inductor's q/k RMSNorm + cuDNN, so the 6B keeps that.
 # (Triton 3.6 gave wrong output there with TMA boxes of 128 x 128, BLOCK_N = 128: never use those.)
 CONFIGS = {64: (128, 128, 4, 3, True)}

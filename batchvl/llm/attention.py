@@ -1,4 +1,4 @@
-"""Attention for packed (varlen) prefill and for decode against the KV cache.
+"""Attention for packed (varlen) prefill; decode against the KV cache lives in `decode_attention.py`.
 
 Prefill takes a flat token tensor plus `cu_seqlens` (no padding). Backends:
 - "sdpa": one causal SDPA call per sequence (the reference; any device);

@@ -59,11 +59,11 @@ if triton is not None:
 
     @triton.jit
     def _decode_partial_kernel(
-        Q, K, V, LENS, PM, PL, PA, CHUNK, qk_scale,
+        Q, K, V, LENS, PM, PL, PA, S, CHUNK, qk_scale,
         stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
         REP: tl.constexpr, REP_P: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     ):  # fmt: skip
-        """One (row, kv head, chunk): its REP query heads against keys [chunk * CHUNK, +CHUNK) below LENS[row].
+        """One (row, kv head, chunk): its REP query heads against keys [chunk * CHUNK, +CHUNK) below LENS[row] (and S).
         Partials PM / PL [B, H, NS] and PA [B, H, NS, D] (fp32); an empty chunk writes max -inf, sum 0."""
         b, hk, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         ns, hkv = tl.num_programs(2), tl.num_programs(1)
@@ -74,7 +74,7 @@ if triton is not None:
         q = tl.load(
             Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=rmask[:, None], other=0.0
         )
-        n_valid = tl.load(LENS + b).to(tl.int32)
+        n_valid = tl.minimum(tl.load(LENS + b).to(tl.int32), S)  # never past the cache row
         start = sp * CHUNK
         end = tl.minimum(start + CHUNK, n_valid)
         m_i = tl.zeros([REP_P], tl.float32) - float("inf")
@@ -145,7 +145,7 @@ def _decode_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, kv_len
     pl, pa = torch.empty_like(pm), torch.empty(B, H, ns, D, device=q.device, dtype=torch.float32)
     out = torch.empty(B, H, D, device=q.device, dtype=q.dtype)
     _decode_partial_kernel[(B, Hkv, ns)](
-        q, k_cache, v_cache, kv_lens, pm, pl, pa, chunk, D**-0.5 * math.log2(math.e),
+        q, k_cache, v_cache, kv_lens, pm, pl, pa, S, chunk, D**-0.5 * math.log2(math.e),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         REP=rep, REP_P=max(16, triton.next_power_of_2(rep)), D=D, BLOCK_N=block_n, num_warps=4, num_stages=3,
