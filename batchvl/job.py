@@ -92,9 +92,8 @@ class EngineSpec:
     overlap_vit: bool = False  # off: on an H200 the 8B seed job ran no faster with it (bench/RESULTS.md)
     cuda_graphs: bool = True  # decode steps replayed from CUDA graphs (CUDA only)
     attn_backend: str = "auto"  # LLM prefill attention: auto | sdpa | varlen | cudnn (see EngineConfig)
-    last_layer_last_tokens: bool = (
-        True  # prefill: the last layer's attention output and MLP for last tokens only
-    )
+    # prefill: the last layer's attention output and MLP for each prompt's last token only
+    last_layer_last_tokens: bool = True
 
 
 @dataclass

@@ -16,7 +16,8 @@ from triton.testing import do_bench
 
 from batchvl.encoder.internvit_compiled import sdpa_context
 from batchvl.engine import Engine, EngineConfig, Request, Sampling
-from batchvl.llm.attention import AttnMeta, decode_attention, prefill_varlen
+from batchvl.llm.attention import AttnMeta, prefill_varlen
+from batchvl.llm.decode_attention import decode_attention
 from batchvl.model.config import from_preset
 from batchvl.model.loader import random_model
 

@@ -162,25 +162,8 @@ if triton is not None:
         if CLS:  # after the key loop, before the output's store: the partial's tiles are this program's rows as keys
             k = tl.load(QKV + rows[:, None] * stride_row + kcol[None, :])  # [BLOCK_M, D]
             v = tl.load(QKV + rows[:, None] * stride_row + vcol[None, :])
-            _cls_partial(
-                k,
-                v,
-                RKS,
-                PM,
-                PL,
-                PA,
-                rows,
-                q0,
-                k0,
-                v0,
-                ks0,
-                qk_scale,
-                d,
-                bh * nq + pid_m,
-                pid_m == 0,
-                NORM,
-                D,
-            )
+            part = bh * nq + pid_m
+            _cls_partial(k, v, RKS, PM, PL, PA, rows, q0, k0, v0, ks0, qk_scale, d, part, pid_m == 0, NORM, D)
         tl.store(OUT + rows[:, None] * C + qcol[None, :], (acc / l_i[:, None]).to(OUT.dtype.element_ty))
 
     @triton.jit

@@ -23,7 +23,6 @@ import torch
 import torch.nn.functional as F
 
 from batchvl.encoder.internvit_compiled import sdpa_context
-from batchvl.llm.decode_attention import decode_attention, decode_attention_reference  # noqa: F401 (re-exported)
 
 
 @dataclass

@@ -51,9 +51,8 @@ def decode_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, kv_l
 
 INTERPRET = triton_interpreting()
 BLOCK_N = 64  # keys per step of a program's loop
-MIN_PROGRAMS = (
-    1024  # split the keys until (rows x kv heads x chunks) reaches this many programs (H200: 132 SMs)
-)
+# split the keys until (rows x kv heads x chunks) reaches this many programs (an H200 has 132 SMs)
+MIN_PROGRAMS = 1024
 
 if triton is not None:
 

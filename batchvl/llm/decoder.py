@@ -13,12 +13,12 @@ from torch import nn
 
 from batchvl.llm.attention import (
     AttnMeta,
-    decode_attention,
     prefill_per_seq,
     prefill_sdpa,
     prefill_varlen,
     varlen_available,
 )
+from batchvl.llm.decode_attention import decode_attention
 from batchvl.llm.kv_cache import KVCache
 from batchvl.model.config import LLMConfig
 
