@@ -9,7 +9,14 @@ import pytest
 import torch
 from test_bench import _run_interpreted
 
-from batchvl.llm.decode_attention import decode_attention, decode_attention_reference, kernel_ok, num_chunks
+from batchvl.llm.decode_attention import (
+    decode_attention,
+    decode_attention_reference,
+    kernel_ok,
+    kernel_runs,
+    num_chunks,
+)
+from batchvl.llm.kv_cache import KVArena
 
 
 def _plain(q, k, v, lens):
@@ -38,6 +45,69 @@ def test_reference_and_cpu_op_are_plain_softmax(rep) -> None:
     assert not kernel_ok(q, k)  # CPU, fp32: never the kernel
     torch.testing.assert_close(decode_attention_reference(q, k, v, lens), want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(decode_attention(q, k, v, lens), want, atol=1e-5, rtol=1e-5)
+
+
+def test_kernel_runs_and_the_arena_clears_only_for_the_reference() -> None:
+    """The Triton path's shape rule, and the KV arena's per-batch clear: on by default (the masked-SDPA reference
+    reads every slot), off where the kernel runs (then a batch sees the previous batch's values, never read)."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert not kernel_runs(cpu, torch.float32, 8, 2, 32)  # CPU without the interpreter: the reference
+    if kernel_runs.__globals__["triton"] is not None:
+        assert kernel_runs(cuda, torch.bfloat16, 32, 8, 128) and kernel_runs(cuda, torch.float16, 40, 8, 128)
+    for args in ((torch.float32, 32, 8, 128), (torch.bfloat16, 32, 8, 96), (torch.bfloat16, 34, 2, 128)):
+        assert not kernel_runs(cuda, *args)  # fp32; head_dim not a power of two; 17 query heads per kv head
+    for clear in (True, False):
+        arena = KVArena(2, 2, 16, "cpu", torch.float32, clear=clear)
+        arena.cache(3, 40).k.fill_(7.0)
+        again = arena.cache(2, 40)  # the same buffers, a smaller batch
+        assert bool((again.k == 0).all()) == clear and bool((again.k == 7.0).all()) == (not clear)
+    assert bool(
+        (KVArena(2, 2, 16, "cpu", torch.float32, clear=False).cache(3, 40).k == 0).all()
+    )  # new: zeroed
+
+
+def test_engine_clears_its_arena_only_without_the_kernel() -> None:
+    from batchvl.engine import Engine, EngineConfig
+    from batchvl.model.config import from_preset
+    from batchvl.model.loader import random_model
+
+    model, cfg = random_model(from_preset("tiny-qwen2"))
+    assert Engine(model, cfg, EngineConfig()).arena.clear  # CPU fp32: the reference decode reads every slot
+
+
+def test_engine_through_the_kernel_with_an_uncleared_arena() -> None:
+    """The whole engine with the decode kernel (TRITON_INTERPRET=1, text-only requests): its arena is not cleared
+    between batches, the slots a previous batch left (here overwritten with NaN) are never read, and the tokens equal
+    an engine whose decode attention is the reference (masked SDPA over a cleared cache)."""
+    pytest.importorskip("triton")
+    code = textwrap.dedent(
+        """
+        import torch
+        import batchvl.llm.decoder as decoder
+        from batchvl.engine import Engine, EngineConfig, Request, Sampling
+        from batchvl.llm.decode_attention import decode_attention_reference
+        from batchvl.model.config import from_preset
+        from batchvl.model.loader import random_model
+        model, cfg = random_model(from_preset("tiny-qwen2"), seed=3)
+        g = torch.Generator().manual_seed(0)
+        reqs = [Request(torch.randint(0, 150000, (n,), generator=g)) for n in (40, 7, 25, 3, 60)]
+        s = Sampling(max_new_tokens=4, ignore_eos=True)
+        eng = Engine(model, cfg, EngineConfig())
+        eng.row_multiple, eng.len_multiple = 8, 128  # the decode graphs' padded layout (run eagerly here)
+        assert not eng.arena.clear
+        eng.run_batch(reqs, s)
+        with torch.inference_mode():  # what a previous batch might leave
+            eng.arena.k.fill_(float("nan")), eng.arena.v.fill_(float("nan"))
+        got = eng.run_batch(reqs[1:4], s).output_ids
+        assert eng.arena.k.isnan().any()  # not cleared
+        decoder.decode_attention = decode_attention_reference  # the reference, on a cleared cache
+        ref = Engine(model, cfg, EngineConfig())
+        ref.arena.clear = True
+        assert got == ref.run_batch(reqs[1:4], s).output_ids, got
+        print("ok")
+        """
+    )
+    _run_interpreted(code)
 
 
 def test_num_chunks() -> None:

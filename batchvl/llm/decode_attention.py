@@ -113,15 +113,26 @@ if triton is not None:
         tl.store(OUT + bh * D + d, (tl.sum(a * w[:, None], axis=0) / l).to(OUT.dtype.element_ty))
 
 
+def kernel_runs(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether the Triton path takes these shapes: CUDA bf16 / fp16 (or the interpreter), head_dim a power of two in
+    16..256, at most 16 query heads per kv head."""
+    if triton is None or not (
+        (device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)) or INTERPRET
+    ):
+        return False
+    return (
+        16 <= head_dim <= 256
+        and not head_dim & (head_dim - 1)
+        and not heads % kv_heads
+        and heads // kv_heads <= 16
+    )
+
+
 def kernel_ok(q: Tensor, k_cache: Tensor) -> bool:
-    """Where the Triton path runs: CUDA bf16 / fp16 (or the interpreter), head_dim a power of two in 16..256, at most
-    16 query heads per kv head, the head_dim contiguous."""
-    if triton is None or q.dim() != 3 or k_cache.dim() != 4:
+    """`kernel_runs` for this call, with the head_dim contiguous in the cache."""
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.stride(3) != 1:
         return False
-    if not ((q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)) or INTERPRET):
-        return False
-    D, H, Hkv = q.shape[2], q.shape[1], k_cache.shape[1]
-    return 16 <= D <= 256 and D & (D - 1) == 0 and H % Hkv == 0 and H // Hkv <= 16 and k_cache.stride(3) == 1
+    return kernel_runs(q.device, q.dtype, q.shape[1], k_cache.shape[1], q.shape[2])
 
 
 def num_chunks(rows: int, kv_heads: int, max_len: int, block_n: int = BLOCK_N) -> int:
