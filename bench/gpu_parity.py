@@ -167,13 +167,10 @@ def main() -> int:
             del hf, cu
             # the shared-prefix path: new tokens after a cached prefix (varlen over gathered keys)
             eng16 = Engine(fast, cfg, EngineConfig(prefix_cache=True, compile_llm=False), dev, torch.bfloat16)
-            eng32 = Engine(
-                ref,
-                cfg,
-                EngineConfig(attn_backend="sdpa", compile_llm=False, last_layer_last_tokens=False),
-                dev,
-                torch.float32,
-            )
+            ref_cfg = EngineConfig(
+                attn_backend="sdpa", compile_llm=False, last_layer_last_tokens=False
+            )  # plain
+            eng32 = Engine(ref, cfg, ref_cfg, dev, torch.float32)
             img = [cfg.image_token_id] * (256 * 7)
             preqs = [Request(torch.tensor(list(range(100, 140)) + img + q.tolist()[:50]), pv.cpu(), "tiger")
                      for q in ids]  # fmt: skip
@@ -205,13 +202,7 @@ def main() -> int:
         reqs = [Request(torch.tensor(list(range(100, 140)) + img + q.tolist()[:50]), pv.cpu(), "tiger")
                 for q in ids]  # fmt: skip
         s = Sampling(max_new_tokens=4, ignore_eos=True)
-        e32 = Engine(
-            ref,
-            cfg,
-            EngineConfig(attn_backend="sdpa", compile_llm=False, last_layer_last_tokens=False),
-            dev,
-            torch.float32,
-        )
+        e32 = Engine(ref, cfg, ref_cfg, dev, torch.float32)
         want = e32.run_batch(reqs, s).output_ids
         for name, ecfg in (("bf16 varlen, eager layers and decode", EngineConfig(cuda_graphs=False, compile_llm=False)),
                            ("bf16 varlen, eager layers, graphed decode", EngineConfig(compile_llm=False)),
@@ -247,9 +238,8 @@ def main() -> int:
         # the decode attention op alone (Triton split-key kernel in bf16) vs its reference in fp32, at the seed
         # job's decode shapes: 40 cache rows of 2048 slots, 33 of ~1990 valid keys, 7 padding rows of 1
         c = cfg.llm
-        gd = torch.Generator(device="cpu").manual_seed(
-            1
-        )  # its own: the next preset's inputs stay as they were
+        # its own generator: the next preset's inputs stay as they were
+        gd = torch.Generator(device="cpu").manual_seed(1)
         kc, vc = (torch.randn(40, c.num_kv_heads, 2048, c.head_dim, generator=gd).to(dev) for _ in range(2))
         qd = torch.randn(40, c.num_heads, c.head_dim, generator=gd).to(dev)
         kv_lens = torch.tensor([1990 - 3 * i for i in range(33)] + [1] * 7, device=dev)
