@@ -183,13 +183,11 @@ class Engine:
         self.side: torch.cuda.Stream | None = None  # where the ViT runs under the previous batch's decode
         self.counters = {"image_cache_hits": 0, "prefix_cache_hits": 0, "prefix_tokens_reused": 0}
         c = cfg.llm
+        n_kv = self._n_kv()
         # each batch's KV view cleared only where the decode attention reads every slot (its reference path)
-        fast_decode = decode_kernel_runs(
-            self.device, dtype, model.llm.layers[0].attn.n_heads, self._n_kv(), c.head_dim
-        )
-        self.arena = KVArena(
-            c.num_layers, self._n_kv(), c.head_dim, self.device, dtype, clear=not fast_decode
-        )
+        heads = model.llm.layers[0].attn.n_heads  # this rank's, under tensor parallelism
+        fast_decode = decode_kernel_runs(self.device, dtype, heads, n_kv, c.head_dim)
+        self.arena = KVArena(c.num_layers, n_kv, c.head_dim, self.device, dtype, clear=not fast_decode)
         graphs = self.ecfg.cuda_graphs and self.device.type == "cuda"
         self.decode_step = DecodeStep(model.llm, graphs=graphs)
         # a graph per cache shape: pad rows and lengths so that a long job sees a handful of shapes

@@ -278,9 +278,8 @@ def test_auto_prefill_attention_goes_per_sequence_only_where_measured_faster(mon
     eng.cudnn_prefill = True  # as on an H200
     assert eng.run_batch(short, s).output_ids == want_short and not calls
     assert eng.run_batch(long, s).output_ids == want_long
-    assert (
-        len(calls) == cfg.llm.num_layers - 1
-    )  # one per layer but the last (last tokens only), for the prefill
+    # one per layer but the last (its queries are the last tokens alone), for the prefill only
+    assert len(calls) == cfg.llm.num_layers - 1
     assert eng.warm_prefill_attention([len(r.input_ids) for r in long]) == 1  # both in the window of 1088
     calls.clear()
     cached = Engine(model, cfg, EngineConfig(attn_backend="auto", prefix_cache=True))
