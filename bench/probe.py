@@ -21,6 +21,7 @@
     python bench/probe.py perseq  # per-sequence cuDNN prefill attention: a copy per sequence vs one cat (8B batch)
     python bench/probe.py tma     # a persistent TMA Triton GEMM vs cuBLAS, plain and with the residual epilogue
     python bench/probe.py inplace # the residual as cuBLAS's C written in place (x.addmm_) vs mm and addmm
+    python bench/probe.py vitgraph  # the compiled encoders called as is vs replayed as a CUDA graph per bucket
     python bench/probe.py vit300  # `vit` for the 300M encoder only, without the coordinate-descent pass
     python bench/probe.py llm   # 38B LLM (64 layers), 16 x 2000 tokens: prefill and 3 decode steps, eager vs
                                 # CUDA-graphed decode vs compiled layers
@@ -1253,6 +1254,58 @@ def vit300() -> None:
     vit(presets=("internvl2_5-8b",), tuned=False)
 
 
+def vitgraph() -> None:
+    """The compiled encoder (engine defaults) called as is vs replayed as one CUDA graph per bucket: do_bench
+    medians at each encoder's real depth, the GPU-busy share of a plain call (kernel time summed by the profiler /
+    wall time: what launch gaps cost), and the graph's output against the plain call's (should be bit-equal)."""
+    import time
+
+    from batchvl.encoder.internvit_compiled import CompiledEncoder
+
+    sizes = {"internvl2_5-8b": (16, 64, 128), "internvl2_5-38b": (16, 64)}
+    row("preset", "tiles", "compiled ms", "graph ms", "graph / compiled", "GPU busy (plain)", "max |diff|",
+        "capture s")  # fmt: skip
+    row(*["---"] * 8)
+    for preset, tiles_list in sizes.items():
+        cfg = from_preset(preset)
+        v = cfg.vision
+        enc = random_encoder(cfg, DEV, DT)
+        for tiles in tiles_list:
+            ce = CompiledEncoder(enc, buckets=[tiles])
+            with torch.inference_mode():
+                px = torch.randn(tiles, 3, v.image_size, v.image_size, device=DEV, dtype=DT)
+                ref = ce(px)
+            ms = bench_ms(lambda ce=ce, px=px: ce(px), DEV, warmup=3, rep=30)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                t0 = time.perf_counter()
+                ce(px)
+                torch.cuda.synchronize()
+                wall = (time.perf_counter() - t0) * 1e3
+            busy = sum(getattr(e, "device_time_total", 0) for e in prof.key_averages()
+                       if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3  # fmt: skip
+            t0 = time.perf_counter()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    ce._run(px)
+            torch.cuda.current_stream().wait_stream(side)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                out = ce._run(px)
+            g.replay()
+            torch.cuda.synchronize()
+            cap = time.perf_counter() - t0
+            diff = float((out.float() - ref.float()).abs().max())
+            gms = bench_ms(g.replay, DEV, warmup=3, rep=30)
+            row(preset, tiles, f"{ms:.2f}", f"{gms:.2f}", f"{gms / ms:.3f}", f"{busy / wall:.3f}", f"{diff:.1e}",
+                f"{cap:.1f}")  # fmt: skip
+            del g, out, ref, px, ce
+            torch.cuda.empty_cache()
+        del enc
+        torch._dynamo.reset()
+
+
 if __name__ == "__main__":
     torch.manual_seed(0)
     {
@@ -1269,6 +1322,7 @@ if __name__ == "__main__":
         "decode": decode,
         "decattn": decattn,
         "vit300": vit300,
+        "vitgraph": vitgraph,
         "vit": vit,
         "parts": parts,
         "fp8": fp8,
