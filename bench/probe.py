@@ -1186,7 +1186,8 @@ def vitattn(tiles: int = 64) -> None:
     # failed to compile), the CLS partial before the key loop (0.793 vs 0.786). TMA with BLOCK_N = 128 at head_dim
     # 128 gave WRONG output on Triton 3.6 (rel err 0.79): not a candidate.
     cands = {64: [(128, 128, 4, 3, True), (128, 64, 4, 3, True), (128, 128, 4, 3), (64, 64, 4, 3, True)],
-             128: [(64, 64, 4, 3, True), (128, 64, 8, 3, True), (64, 64, 4, 3)]}  # fmt: skip
+             128: [(64, 64, 4, 3, True), (128, 64, 8, 3, True), (64, 64, 4, 3), (128, 128, 8, 3), (128, 128, 8, 2),
+                   (128, 64, 8, 3), (128, 64, 8, 4, True), (64, 128, 4, 3), (128, 64, 4, 3, True)]}  # fmt: skip
     presets = sys.argv[2].split(",") if len(sys.argv) > 2 else ["internvl2_5-38b", "internvl2_5-8b"]
     for preset in presets:
         _vitattn_preset(preset, tiles, cands)
