@@ -22,6 +22,7 @@
     python bench/probe.py tma     # a persistent TMA Triton GEMM vs cuBLAS, plain and with the residual epilogue
     python bench/probe.py inplace # the residual as cuBLAS's C written in place (x.addmm_) vs mm and addmm
     python bench/probe.py vitgraph  # the compiled encoders called as is vs replayed as a CUDA graph per bucket
+    python bench/probe.py vithost   # host enqueue time of a compiled encoder forward vs its GPU time (16 / 64 tiles)
     python bench/probe.py vit300  # `vit` for the 300M encoder only, without the coordinate-descent pass
     python bench/probe.py llm   # 38B LLM (64 layers), 16 x 2000 tokens: prefill and 3 decode steps, eager vs
                                 # CUDA-graphed decode vs compiled layers
@@ -1307,6 +1308,45 @@ def vitgraph() -> None:
         torch._dynamo.reset()
 
 
+def vithost() -> None:
+    """Is the compiled 300M encoder's small-batch time set by the host? Per tile count: the host time to enqueue one
+    forward (the queue empty before it; median of 20), its do_bench median, and ms per call over 50 back-to-back calls
+    (one sync at the end)."""
+    import statistics
+    import time
+
+    from batchvl.encoder.internvit_compiled import CompiledEncoder
+
+    row("preset", "tiles", "host enqueue ms", "do_bench ms", "back-to-back ms / call")
+    row(*["---"] * 5)
+    for preset, sizes in (("internvl2_5-8b", (16, 64)),):
+        cfg = from_preset(preset)
+        enc = random_encoder(cfg, DEV, DT)
+        for tiles in sizes:
+            ce = CompiledEncoder(enc, buckets=[tiles])
+            with torch.inference_mode():
+                px = torch.randn(tiles, 3, cfg.vision.image_size, cfg.vision.image_size, device=DEV, dtype=DT)
+            ce(px)
+            host = []
+            for _ in range(20):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                ce(px)
+                host.append((time.perf_counter() - t0) * 1e3)
+            gpu = bench_ms(lambda ce=ce, px=px: ce(px), DEV, warmup=3, rep=200)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(50):
+                ce(px)
+            torch.cuda.synchronize()
+            b2b = (time.perf_counter() - t0) * 1e3 / 50
+            row(preset, tiles, f"{statistics.median(host):.2f}", f"{gpu:.2f}", f"{b2b:.2f}")
+            del ce, px
+        del enc
+        torch._dynamo.reset()
+        torch.cuda.empty_cache()
+
+
 if __name__ == "__main__":
     torch.manual_seed(0)
     {
@@ -1324,6 +1364,7 @@ if __name__ == "__main__":
         "decattn": decattn,
         "vit300": vit300,
         "vitgraph": vitgraph,
+        "vithost": vithost,
         "vit": vit,
         "parts": parts,
         "fp8": fp8,
