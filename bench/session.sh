@@ -11,13 +11,13 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
 case $what in
-s12d)  # session 12, last call (~5 min with the start): the 8B job again, the host's share of the compiled encoders'
-  # small-batch time, then both encoders at 16 / 64 tiles with ~1 s timing windows, no transformers rows
+s12d)  # session 12, last call (~5 min with the start): the 8B job again, both encoders at 16 / 64 tiles with ~1 s
+  # timing windows (no transformers rows), then the host's share of the compiled 300M's small-batch time
   timeout 150 python3 bench/e2e.py --preset internvl2_5-8b --n 500 --hf-n 64 --hf-batches 32 --budget 65536 \
     --modes nocache,hf 2>&1 | tee "$out/e2e_8b.log" | grep -E 'stages|^\||ceiling|RESULT|Error|greedy'
-  timeout 60 python3 bench/probe.py vithost 2>&1 | tee "$out/probe_vithost.log" | grep -E '^\||Error|error'
   timeout 140 python3 bench/vit.py --batches 16,64 --mode default --skip-hf --max-iters 400 2>&1 \
-    | tee "$out/vit.log" | grep -E '^\||floor as one|Error|error' ;;
+    | tee "$out/vit.log" | grep -E '^\||floor as one|Error|error'
+  timeout 60 python3 bench/probe.py vithost 2>&1 | tee "$out/probe_vithost.log" | grep -E '^\||Error|error' ;;
 s12c)  # session 12: the 38B seed job without caches, with both caches, and transformers b=16 in one run (~6 min), then
   # 8B GPU parity alone (its inputs now drawn as in the two-preset run) (~1 min)
   timeout 440 python3 bench/e2e.py --n 500 --hf-n 32 --hf-batches 16 --modes nocache,cache,hf 2>&1 \
