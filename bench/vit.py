@@ -497,7 +497,9 @@ def main() -> None:
         "--attn-backend", default="fastest", help="fastest (of the floor run), flash, cudnn, efficient"
     )
     ap.add_argument("--target-s", type=float, default=1.0, help="timed seconds per measurement (>= 2 calls)")
-    ap.add_argument("--max-iters", type=int, default=20)
+    ap.add_argument(
+        "--max-iters", type=int, default=400, help="at most this many timed calls (--target-s bounds them)"
+    )
     ap.add_argument(
         "--budget-s",
         type=float,
