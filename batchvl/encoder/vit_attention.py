@@ -257,3 +257,150 @@ def _vit_attention_triton(
     if cls:
         _cls_merge_kernel[(B * H,)](pm, pl, pa, o, T, H, C, NQ=nq, D=D)
     return o
+
+
+# --------------------------------------------------------------------------- the CLS key merged around cuDNN (6B)
+# At head_dim 128 no Triton config beat Inductor's q/k RMSNorm + cuDNN over all 1025 keys (bench/RESULTS.md, session
+# 12), and cuDNN pays a whole key block for the 1025th key (21%). `vit_attention_split` keeps cuDNN but gives it the
+# 1024 patch keys only (all 1025 queries: a query tail costs cuDNN nearly nothing), then merges the CLS key in by its
+# score: o = o_p + sigmoid(s - lse) * (v_cls - o_p), with lse cuDNN's log-sum-exp over the patch keys and
+# s = scale * q . k_cls. Session 8 found that merge as costly as the tail because it read q once more; here s comes
+# out of the q/k RMSNorm pass that reads q anyway, so the merge reads o and writes it once.
+
+if triton is not None:
+
+    @triton.jit
+    def _rms_rows(x, w, C, eps, dt: tl.constexpr):
+        """`rms_norm` of one row held as [HP, D] (fp32, zeros past C): w * round(x * rstd), rounded to dt."""
+        rstd = tl.rsqrt(tl.sum(tl.sum(x * x, axis=1), axis=0) / C + eps)
+        return (w * (x * rstd).to(dt).to(tl.float32)).to(dt)
+
+    @triton.jit
+    def _qk_norm_cls_kernel(QKV, WQ, WK, QN, KN, S, T, H, C, stride_row, eps, scale,
+                            HP: tl.constexpr, D: tl.constexpr):  # fmt: skip
+        """One program per row: q and k RMSNorm-ed over the full C (written to QN, KN [M, C]), and the row's score
+        against its tile's CLS key per head, scale * q_n . k_n,cls (S [M, H] fp32; the CLS key normalized again here)."""
+        row = tl.program_id(0).to(tl.int64)
+        cls = (row // T) * T
+        hh = tl.arange(0, HP)
+        col = hh[:, None] * D + tl.arange(0, D)[None, :]  # [HP, D]: head h, dim d -> column h * D + d
+        m = (hh < H)[:, None] & (col < C)
+        dt = QN.dtype.element_ty
+        wq = tl.load(WQ + col, mask=m, other=0.0).to(tl.float32)
+        wk = tl.load(WK + col, mask=m, other=0.0).to(tl.float32)
+        q = _rms_rows(tl.load(QKV + row * stride_row + col, mask=m, other=0.0).to(tl.float32), wq, C, eps, dt)
+        k = _rms_rows(
+            tl.load(QKV + row * stride_row + C + col, mask=m, other=0.0).to(tl.float32), wk, C, eps, dt
+        )
+        k0 = _rms_rows(
+            tl.load(QKV + cls * stride_row + C + col, mask=m, other=0.0).to(tl.float32), wk, C, eps, dt
+        )
+        tl.store(QN + row * C + col, q, mask=m)
+        tl.store(KN + row * C + col, k, mask=m)
+        s = tl.sum(q.to(tl.float32) * k0.to(tl.float32), axis=1) * scale  # [HP]
+        tl.store(S + row * H + hh, s, mask=hh < H)
+
+    @triton.jit
+    def _cls_key_merge_kernel(OP, LSE, S, QKV, OUT, T, H, C, stride_row, so_b, so_t, so_h, sl_b, sl_h, sl_t,
+                              HP: tl.constexpr, D: tl.constexpr):  # fmt: skip
+        """One program per row: OUT[row] = o_p + sigmoid(s - lse) * (v_cls - o_p), per head (OP [B, T, H, D] by its
+        strides, unit stride over D; LSE [B, H, T] by its strides; S [M, H])."""
+        row = tl.program_id(0).to(tl.int64)
+        b, t = row // T, row % T
+        hh = tl.arange(0, HP)
+        dd = tl.arange(0, D)
+        col = hh[:, None] * D + dd[None, :]
+        mh = hh < H
+        m = mh[:, None] & (col < C)
+        o = tl.load(OP + b * so_b + t * so_t + hh[:, None] * so_h + dd[None, :], mask=m, other=0.0).to(
+            tl.float32
+        )
+        lse = tl.load(LSE + b * sl_b + hh * sl_h + t * sl_t, mask=mh, other=0.0)
+        s = tl.load(S + row * H + hh, mask=mh, other=0.0)
+        v0 = tl.load(QKV + b * T * stride_row + 2 * C + col, mask=m, other=0.0).to(tl.float32)
+        a = 1.0 / (1.0 + tl.exp(lse - s))  # the CLS key's share of the softmax mass
+        tl.store(OUT + row * C + col, (o + a[:, None] * (v0 - o)).to(OUT.dtype.element_ty), mask=m)
+
+
+def split_applies(qkv: Tensor, T: int, H: int, qk_norm: bool) -> bool:
+    """Where `vit_attention_split` runs its kernels: a q/k norm, CUDA in bf16 / fp16 (cuDNN), or the interpreter."""
+    if triton is None or not qk_norm or qkv.dim() != 2 or qkv.shape[1] % (3 * H) or T < 2:
+        return False
+    return (qkv.is_cuda and qkv.dtype in (torch.bfloat16, torch.float16)) or INTERPRET
+
+
+def attend_patch_keys(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """q [B, H, Tq, D] over k, v [B, H, Tk, D] -> (o [B, H, Tq, D], log-sum-exp of the scaled scores [B, H, Tq]
+    fp32): cuDNN on CUDA, the same sums in fp32 elsewhere (the interpreter's tests)."""
+    if q.is_cuda:
+        o, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, False, False, scale=scale
+        )[:2]
+        return o, lse.reshape(q.shape[:3])
+    s = (q.float() @ k.float().transpose(-1, -2)) * scale  # [B, H, Tq, Tk]
+    return (torch.softmax(s, -1) @ v.float()).to(q.dtype), torch.logsumexp(s, -1)
+
+
+@torch.library.custom_op("batchvl::vit_attention_split", mutates_args=())
+def vit_attention_split(
+    qkv: Tensor, T: int, H: int, scale: float, wq: Tensor, wk: Tensor, eps: float
+) -> Tensor:
+    """`vit_attention` for a q/k-normed encoder (the 6B) through cuDNN over the patch keys and the CLS-key merge
+    (see above): qkv [B*T, 3C] -> [B*T, C]. The reference where `split_applies` says no."""
+    if not split_applies(qkv, T, H, True):
+        return vit_attention_reference(qkv, T, H, scale, wq, wk, eps)
+    if qkv.stride(1) != 1:
+        qkv = qkv.contiguous()
+    B, C = qkv.shape[0] // T, qkv.shape[1] // 3
+    D = C // H
+    qn, kn, s = qk_norm_cls(qkv, T, H, scale, wq, wk, eps)
+    q4 = qn.view(B, T, H, D).transpose(1, 2)  # [B, H, T, D]
+    k4 = kn.view(B, T, H, D)[:, 1:].transpose(1, 2)  # [B, H, T-1, D]: the patch keys
+    v4 = qkv.view(B, T, 3, H, D)[:, 1:, 2].transpose(1, 2)
+    o, lse = attend_patch_keys(q4, k4, v4, scale)  # [B, H, T, D], [B, H, T]
+    return cls_key_merge(o, lse, s, qkv, T, H)
+
+
+def _warps(H: int, D: int) -> int:
+    return 8 if triton.next_power_of_2(H) * D >= 2048 else 4
+
+
+def qk_norm_cls(
+    qkv: Tensor, T: int, H: int, scale: float, wq: Tensor, wk: Tensor, eps: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """`_qk_norm_cls_kernel` over qkv [M, 3C] (unit column stride): (q_n [M, C], k_n [M, C], s [M, H] fp32)."""
+    M, C = qkv.shape[0], qkv.shape[1] // 3
+    D = C // H
+    qn, kn = qkv.new_empty(M, C), qkv.new_empty(M, C)
+    s = torch.empty(M, H, device=qkv.device, dtype=torch.float32)
+    _qk_norm_cls_kernel[(M,)](qkv, wq, wk, qn, kn, s, T, H, C, qkv.stride(0), eps, scale,
+                              HP=triton.next_power_of_2(H), D=D, num_warps=_warps(H, D))  # fmt: skip
+    return qn, kn, s
+
+
+def cls_key_merge(o: Tensor, lse: Tensor, s: Tensor, qkv: Tensor, T: int, H: int) -> Tensor:
+    """`_cls_key_merge_kernel`: o [B, H, T, D] over the patch keys, its lse [B, H, T], s [M, H] -> [M, C]."""
+    if o.stride(3) != 1:
+        o = o.contiguous()
+    M, C = qkv.shape[0], qkv.shape[1] // 3
+    out = qkv.new_empty(M, C)
+    _cls_key_merge_kernel[(M,)](
+        o, lse, s, qkv, out, T, H, C, qkv.stride(0), o.stride(0), o.stride(2), o.stride(1), *lse.stride(),
+        HP=triton.next_power_of_2(H), D=C // H, num_warps=_warps(H, C // H),
+    )  # fmt: skip
+    return out
+
+
+@vit_attention_split.register_fake
+def _(qkv, T, H, scale, wq, wk, eps):
+    return qkv.new_empty(qkv.shape[0], qkv.shape[1] // 3)
+
+
+def attention_for(qkv: Tensor, T: int, H: int, qk_norm: bool):
+    """This module's op for the call: the one-kernel Triton attention where `kernel_config` has a config (head_dim
+    64: the 300M), the CLS split where `split_applies` (a q/k norm on CUDA: the 6B), else the reference."""
+    if kernel_config(qkv, T, H) is not None:
+        return vit_attention
+    if split_applies(qkv, T, H, qk_norm):
+        return vit_attention_split
+    return vit_attention_reference
