@@ -17,8 +17,6 @@
                                   # per sequence; fp32 logits from the bf16 GEMM (mm out_dtype)
     python bench/probe.py cls     # ViT attention at T = 1025 vs 1024, and the CLS token out of the fused call
     python bench/probe.py vitattn # the Triton ViT attention (CLS-aware, qk-norm folded) vs Inductor + cuDNN
-    python bench/probe.py vitsplit  # the 6B's attention with the CLS key merged around cuDNN, its steps, and the
-                                    # layer's other memory-bound passes (GB/s) at 64 tiles
     python bench/probe.py llm-layer  # one compiled 8B decoder layer over the seed job's first batch: its kernels
     python bench/probe.py perseq  # per-sequence cuDNN prefill attention: a copy per sequence vs one cat (8B batch)
     python bench/probe.py tma     # a persistent TMA Triton GEMM vs cuBLAS, plain and with the residual epilogue
@@ -1254,90 +1252,6 @@ def _vitattn_preset(preset: str, tiles: int, cands: dict) -> None:
         row(f"triton {cfg}, CLS token left out (timing only)", f"{ms:.3f}", f"{flop / ms / 1e9:.0f}", "-")
 
 
-def vitsplit(tiles: int = 64) -> None:
-    """The 6B's attention with the CLS key merged around cuDNN (`vit_attention.vit_attention_split`) against the
-    compiled layer's way (Inductor q/k RMSNorm + cuDNN over all 1025 keys), with its three steps timed alone; then the
-    layer's other memory-bound passes at the same rows (residual + norm, norm of x + shift) as GB/s, and fc1 with and
-    without cuBLASLt's GELU epilogue."""
-    from triton.testing import do_bench
-
-    from batchvl.encoder.fused_norm import residual_norm, shifted_norm
-    from batchvl.encoder.internvit import rms_norm
-    from batchvl.encoder.vit_attention import (
-        attend_patch_keys,
-        cls_key_merge,
-        qk_norm_cls,
-        vit_attention_reference,
-        vit_attention_split,
-    )
-
-    v_ = from_preset("internvl2_5-38b").vision
-    B, H, D, T = tiles, v_.num_heads, v_.head_dim, v_.num_patches + 1
-    C, ff, scale, eps, M = H * D, v_.intermediate_size, D**-0.5, v_.layer_norm_eps, tiles * T
-    qkv = torch.randn(M, 3 * C, device=DEV, dtype=DT)
-    wq, wk = ((1 + 0.2 * torch.randn(C, device=DEV)).to(DT) for _ in range(2))
-    ref = vit_attention_reference(qkv.float(), T, H, scale, wq.float(), wk.float(), eps)
-    print(f"\n## 6B vision attention, {tiles} tiles, {H} heads x {D}: the CLS key merged around cuDNN\n")
-    row("variant", "ms", "GB/s (its bytes)", "rel err vs fp32")
-    row(*["---"] * 4)
-
-    def report(name, fn, nbytes=0.0, check=True):
-        try:
-            with torch.inference_mode(), sdpa_context("cudnn", DEV):
-                out = fn()
-                err = f"{float((out.float() - ref).norm() / ref.norm()):.2e}" if check else "-"
-                ms = do_bench(fn, return_mode="median")
-            row(name, f"{ms:.3f}", f"{nbytes / ms / 1e6:.0f}" if nbytes else "-", err)
-        except Exception as ex:  # noqa: BLE001
-            row(name, f"{type(ex).__name__}: {str(ex)[:300]}", "-", "-")
-
-    cf = torch.compile(vit_attention_reference, fullgraph=True)
-    report(
-        "compiled layer's way (Inductor qk-norm + cuDNN, 1025 keys)",
-        lambda: cf(qkv, T, H, scale, wq, wk, eps),
-    )
-    report("split: vit_attention_split (the op)", lambda: vit_attention_split(qkv, T, H, scale, wq, wk, eps))
-    cs = torch.compile(vit_attention_split, fullgraph=True)
-    report("split, inside torch.compile", lambda: cs(qkv, T, H, scale, wq, wk, eps))
-    el = qkv.element_size()
-    with torch.inference_mode():
-        qn, kn, sc = qk_norm_cls(qkv, T, H, scale, wq, wk, eps)
-        q4 = qn.view(B, T, H, D).transpose(1, 2)
-        k4 = kn.view(B, T, H, D)[:, 1:].transpose(1, 2)
-        v4 = qkv.view(B, T, 3, H, D)[:, 1:, 2].transpose(1, 2)
-        o, lse = attend_patch_keys(q4, k4, v4, scale)
-    print(f"(cuDNN's o: shape {tuple(o.shape)} strides {o.stride()}; lse {tuple(lse.shape)} {lse.dtype})")
-    report("  step 1: q/k RMSNorm + CLS scores (Triton)", lambda: qk_norm_cls(qkv, T, H, scale, wq, wk, eps),
-           4 * M * C * el, check=False)  # fmt: skip
-    rq = torch.compile(lambda x: (rms_norm(x[:, :C], wq, eps), rms_norm(x[:, C : 2 * C], wk, eps)))
-    report("  (Inductor's q/k RMSNorm alone, for comparison)", lambda: rq(qkv), 4 * M * C * el, check=False)
-    report("  step 2: cuDNN, 1025 queries x 1024 patch keys, with lse", lambda: attend_patch_keys(q4, k4, v4, scale),
-           check=False)  # fmt: skip
-    report("  (cuDNN, 1025 x 1024, no lse)", lambda: F.scaled_dot_product_attention(q4, k4, v4, scale=scale),
-           check=False)  # fmt: skip
-    report("  (cuDNN, 1025 x 1025, no lse)", lambda: F.scaled_dot_product_attention(
-        q4, kn.view(B, T, H, D).transpose(1, 2), qkv.view(B, T, 3, H, D)[:, :, 2].transpose(1, 2), scale=scale),
-        check=False)  # fmt: skip
-    report("  step 3: the CLS-key merge (Triton)", lambda: cls_key_merge(o, lse, sc, qkv, T, H), 2 * M * C * el,
-           check=False)  # fmt: skip
-
-    print(f"\n## The layer's other passes at the same rows ([{M}, {C}] bf16)\n")
-    row("pass", "ms", "GB/s (its bytes)", "-")
-    row(*["---"] * 4)
-    x, y = (torch.randn(M, C, device=DEV, dtype=DT) for _ in range(2))
-    w, ls, b = (1 + 0.1 * torch.randn(C, device=DEV)).to(DT), (0.1 * torch.randn(C, device=DEV)).to(DT), y[0]
-    shift = torch.randn(C, device=DEV)
-    report("residual_norm: x + ls * (y + b), RMSNorm (read x, y; write x, h)",
-           lambda: residual_norm(x, y, b, ls, w, None, eps, True), 4 * M * C * el, check=False)  # fmt: skip
-    report("shifted_norm: RMSNorm(x + shift) (read x; write h)", lambda: shifted_norm(x, shift, w, None, eps, True),
-           2 * M * C * el, check=False)  # fmt: skip
-    report("copy x -> y (bandwidth reference)", lambda: y.copy_(x), 2 * M * C * el, check=False)
-    w1, b1 = 0.02 * torch.randn(ff, C, device=DEV, dtype=DT), 0.02 * torch.randn(ff, device=DEV, dtype=DT)
-    report("fc1 plain (cuBLAS)", lambda: F.linear(x, w1, b1), check=False)
-    report("fc1 + GELU epilogue (cuBLASLt)", lambda: torch._addmm_activation(b1, x, w1.t(), use_gelu=True),
-           check=False)  # fmt: skip
-
-
 def vit300() -> None:
     vit(presets=("internvl2_5-8b",), tuned=False)
 
@@ -1436,7 +1350,6 @@ if __name__ == "__main__":
     torch.manual_seed(0)
     {
         "cls": cls,
-        "vitsplit": vitsplit,
         "vitattn": vitattn,
         "tma": tma,
         "inplace": inplace,

@@ -104,67 +104,6 @@ def test_encoder_through_the_kernel_in_the_interpreter() -> None:
     _run_interpreted(code)
 
 
-def test_split_in_the_interpreter() -> None:
-    """`vit_attention_split` (TRITON_INTERPRET=1: its q/k-norm + CLS-score kernel and its CLS-key merge kernel, with
-    the patch-key attention's log-sum-exp in fp32 torch) = the reference over all rows, the CLS rows included: head
-    counts below a power of two (padded heads), several tiles; fp32 below 1e-6 by norm, fp16 below 2e-3 against fp32
-    sums. Then `attention_for`'s dispatch: the split only with a q/k norm and where the one-kernel op has no config;
-    and the whole 6B-style encoder through it (head_dim 32, no kernel config), residuals plain and in place."""
-    pytest.importorskip("triton")
-    code = textwrap.dedent(
-        """
-        import sys, torch
-        sys.path.insert(0, "tests")
-        from test_internvit import build_pair
-        from batchvl.encoder.internvit_compiled import fast_forward, fast_forward_inplace, fold_scales
-        from batchvl.encoder.vit_attention import (
-            attention_for, split_applies, vit_attention, vit_attention_reference, vit_attention_split)
-        torch.manual_seed(0)
-        worst = {}
-        for B, T, H, D in ((2, 1 + 64, 3, 32), (3, 1 + 16, 5, 16), (1, 2, 1, 16)):
-            for dt in (torch.float32, torch.float16):
-                C = H * D
-                qkv = (torch.randn(B * T, 3 * C) * 1.5).to(dt)
-                w = [(1 + 0.3 * torch.randn(C)).to(dt) for _ in range(2)]
-                got = vit_attention_split(qkv, T, H, D**-0.5, *w, 1e-6).float()
-                ref = vit_attention_reference(qkv.float(), T, H, D**-0.5, *[t.float() for t in w], 1e-6)
-                err = float((got - ref).norm() / ref.norm())
-                err0 = float((got[::T] - ref[::T]).norm() / ref[::T].norm())  # the CLS rows alone
-                worst[dt] = max(worst.get(dt, 0.0), err, err0)
-        assert worst[torch.float32] < 1e-6 and worst[torch.float16] < 2e-3, worst
-        qkv = torch.randn(2 * 65, 3 * 2 * 32)
-        assert attention_for(qkv, 65, 2, True) is vit_attention_split
-        assert attention_for(qkv, 65, 2, False) is vit_attention_reference and not split_applies(qkv, 65, 2, False)
-        assert attention_for(torch.randn(2 * 257, 3 * 2 * 64), 257, 2, True) is vit_attention  # head_dim 64: kernel
-        enc, _ = build_pair("6b", hidden=64, heads=2)
-        px = torch.randn(2, 3, 112, 112)
-        with torch.no_grad():
-            ref = enc(px)
-            got = fast_forward(enc, px, triton_attn=True)
-            got_ip = fast_forward_inplace(enc, px, fold_scales(enc), triton_attn=True)
-        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
-        torch.testing.assert_close(got_ip, ref, atol=1e-5, rtol=1e-4)
-        print("ok", worst)
-        """
-    )
-    _run_interpreted(code)
-
-
-def test_split_off_the_interpreter_is_the_reference() -> None:
-    """On CPU without the interpreter the split op runs the reference (the eager sums), and `attention_for` never
-    picks it."""
-    B, T, H, D = 2, 17, 3, 16
-    qkv = torch.randn(B * T, 3 * H * D)
-    w = [1 + 0.3 * torch.randn(H * D) for _ in range(2)]
-    from batchvl.encoder.vit_attention import attention_for, vit_attention_split
-
-    assert attention_for(qkv, T, H, True) is vit_attention_reference
-    torch.testing.assert_close(
-        vit_attention_split(qkv, T, H, D**-0.5, *w, 1e-6),
-        vit_attention_reference(qkv, T, H, D**-0.5, *w, 1e-6),
-    )
-
-
 def test_compiled_encoder_default_equals_eager_on_cpu() -> None:
     """The compiled encoder's default (triton_attn on) traces `fast_mix`'s fallback on CPU: equal to eager."""
     enc, _ = build_pair("6b")
