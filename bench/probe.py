@@ -21,6 +21,7 @@
     python bench/probe.py perseq  # per-sequence cuDNN prefill attention: a copy per sequence vs one cat (8B batch)
     python bench/probe.py tma     # a persistent TMA Triton GEMM vs cuBLAS, plain and with the residual epilogue
     python bench/probe.py inplace # the residual as cuBLAS's C written in place (x.addmm_) vs mm and addmm
+    python bench/probe.py blas    # the ViT GEMMs: default BLAS path vs cuBLASLt preferred vs TunableOp
     python bench/probe.py vitgraph  # the compiled encoders called as is vs replayed as a CUDA graph per bucket
     python bench/probe.py vithost   # host enqueue time of a compiled encoder forward vs its GPU time (16 / 64 tiles)
     python bench/probe.py vit300  # `vit` for the 300M encoder only, without the coordinate-descent pass
@@ -1177,6 +1178,56 @@ def inplace() -> None:
             f"{t_ip - t_mm:.3f}", f"{M * N * 2 / 3.5e9:.3f}", f"{err:.1e}")  # fmt: skip
 
 
+def blas(tiles: int = 64) -> None:
+    """The ViT layers' GEMMs (F.linear at 64 tiles) three ways: torch's default BLAS path, cuBLASLt preferred
+    (`torch.backends.cuda.preferred_blas_library`), and TunableOp (`torch.cuda.tunable`: each registered
+    implementation timed on the first call, the fastest kept). Does any beat the default, which the floor times?"""
+    from triton.testing import do_bench
+
+    tun = torch.cuda.tunable
+    shapes = {}
+    for preset, tag in (("internvl2_5-38b", "6B"), ("internvl2_5-8b", "300M")):
+        v_ = from_preset(preset).vision
+        M, C, ff = tiles * (v_.num_patches + 1), v_.hidden_size, v_.intermediate_size
+        shapes.update({f"{tag} qkv": (M, C, 3 * C), f"{tag} proj": (M, C, C), f"{tag} fc1": (M, C, ff),
+                       f"{tag} fc2": (M, ff, C)})  # fmt: skip
+    default_lib = torch.backends.cuda.preferred_blas_library()
+    print(f"default BLAS library: {default_lib}")
+    row(
+        "shape (M, K -> N)", "default ms", "cuBLASLt ms", "TunableOp ms", "TunableOp's pick", "best / default"
+    )
+    row(*["---"] * 6)
+    for name, (M, K, N) in shapes.items():
+        a = torch.randn(M, K, device=DEV, dtype=DT)
+        w = torch.randn(N, K, device=DEV, dtype=DT) * 0.02
+        t = {}
+        with torch.inference_mode():
+            t["default"] = do_bench(lambda a=a, w=w: F.linear(a, w), return_mode="median")
+            try:
+                torch.backends.cuda.preferred_blas_library("cublaslt")
+                t["lt"] = do_bench(lambda a=a, w=w: F.linear(a, w), return_mode="median")
+            finally:
+                torch.backends.cuda.preferred_blas_library(default_lib)
+            pick = "-"
+            try:
+                tun.enable(True)
+                tun.tuning_enable(True)
+                tun.set_max_tuning_iterations(20)
+                F.linear(a, w)  # tunes this shape
+                torch.cuda.synchronize()
+                tun.tuning_enable(False)
+                t["tuned"] = do_bench(lambda a=a, w=w: F.linear(a, w), return_mode="median")
+                res = tun.get_results()
+                pick = f"{len(res)} results; last: {str(res[-1])[:120]}" if res else "no results"
+            except Exception as ex:  # noqa: BLE001
+                t["tuned"], pick = float("nan"), f"{type(ex).__name__}: {str(ex)[:150]}"
+            finally:
+                tun.enable(False)
+        best = min(v for v in t.values() if v == v)
+        row(f"{name} ({M}, {K} -> {N})", f"{t['default']:.3f}", f"{t['lt']:.3f}", f"{t['tuned']:.3f}", pick,
+            f"{best / t['default']:.3f}")  # fmt: skip
+
+
 def vitattn(tiles: int = 64) -> None:
     """`encoder/vit_attention.py`'s Triton kernel (CLS key as a rank-one step, the CLS query split into partials,
     6B: q/k RMSNorm folded in) against the compiled layer's way (Inductor's q/k RMSNorm + cuDNN SDPA) and cuDNN
@@ -1350,6 +1401,7 @@ if __name__ == "__main__":
     torch.manual_seed(0)
     {
         "cls": cls,
+        "blas": blas,
         "vitattn": vitattn,
         "tma": tma,
         "inplace": inplace,

@@ -1,16 +1,21 @@
 #!/usr/bin/env bash
 # The GPU runs that belong together, one step per device call (each bounded to fit one call's 600 s).
 # Usage on the device (after ../shared/tools/device-prep here; carry .whl and .data):
-#   bash bench/session.sh s12d|s12c|s12b|s12a|s11e|s11d|s11c|s11b|s11a|s10-300m|s10-final|s10-8b|s10b|s10|s10-attn|s9-parity|s9-8b|s9b|s9|tma|s8-resid2|s8-resid|s8-copies|s8-e2e|s8-38b|s8-perseq|s8-probe|s7-cache|s7-38b|s7-vit|s7-e2e|s7-probe|probe-dec|try-8b|ragged|fused|margins|parity|parity-e2e|parity38-e2e|e2e-both|final|probe-llm|probe-vit|parts|vit64-modes|e2e-cudnn|e2e-38b|e2e-8b-overlap|fp8|fp8-bench|fp8-e2e|attn-8b|e2e-8b-hf64|vit64|vit|e2e|e2e-fast|e2e-8b
+#   bash bench/session.sh s13b|s12d|s12c|s12b|s12a|s11e|s11d|s11c|s11b|s11a|s10-300m|s10-final|s10-8b|s10b|s10|s10-attn|s9-parity|s9-8b|s9b|s9|tma|s8-resid2|s8-resid|s8-copies|s8-e2e|s8-38b|s8-perseq|s8-probe|s7-cache|s7-38b|s7-vit|s7-e2e|s7-probe|probe-dec|try-8b|ragged|fused|margins|parity|parity-e2e|parity38-e2e|e2e-both|final|probe-llm|probe-vit|parts|vit64-modes|e2e-cudnn|e2e-38b|e2e-8b-overlap|fp8|fp8-bench|fp8-e2e|attn-8b|e2e-8b-hf64|vit64|vit|e2e|e2e-fast|e2e-8b
 # Full logs land in $OUT (when set); each step ends with the table to copy into bench/RESULTS.md.
 set -u
-what=${1:?s12d|s12c|s12b|s12a|s11e|s11d|s11c|s11b|s11a|s10-300m|s10-final|s10-8b|s10b|s10|s10-attn|s9-parity|s9-8b|s9b|s9|tma|s8-resid2|s8-resid|s8-copies|s8-e2e|s8-38b|s8-perseq|s8-probe|s7-cache|s7-38b|s7-vit|s7-e2e|s7-probe|probe-dec|try-8b|ragged|fused|margins|parity|parity-e2e|parity38-e2e|e2e-both|final|probe-llm|probe-vit|parts|vit64-modes|e2e-cudnn|e2e-38b|e2e-8b-overlap|fp8|fp8-bench|fp8-e2e|attn-8b|e2e-8b-hf64|vit64|vit|e2e|e2e-fast|e2e-8b}
+what=${1:?s13b|s12d|s12c|s12b|s12a|s11e|s11d|s11c|s11b|s11a|s10-300m|s10-final|s10-8b|s10b|s10|s10-attn|s9-parity|s9-8b|s9b|s9|tma|s8-resid2|s8-resid|s8-copies|s8-e2e|s8-38b|s8-perseq|s8-probe|s7-cache|s7-38b|s7-vit|s7-e2e|s7-probe|probe-dec|try-8b|ragged|fused|margins|parity|parity-e2e|parity38-e2e|e2e-both|final|probe-llm|probe-vit|parts|vit64-modes|e2e-cudnn|e2e-38b|e2e-8b-overlap|fp8|fp8-bench|fp8-e2e|attn-8b|e2e-8b-hf64|vit64|vit|e2e|e2e-fast|e2e-8b}
 out=${OUT:-/tmp}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
 case $what in
+s13b)  # session 13: the ViT GEMMs under cuBLAS, cuBLASLt and TunableOp; then issue 4's comparison at 64 tiles
+  # against transformers compiled in the seed's mode (max-autotune-no-cudagraphs), with the FP8 stretch row (~9 min)
+  timeout 100 python3 bench/probe.py blas 2>&1 | tee "$out/probe_blas.log" | grep -E '^\||^default|Error|error'
+  timeout 420 python3 bench/vit.py --batches 64 --mode default --hf-mode max-autotune-no-cudagraphs --fp8 \
+    --budget-s 330 2>&1 | tee "$out/vit.log" | grep -E '^\||floor as one|rel. error|fp8|skipped|Error|error' ;;
 s12d)  # session 12, last call (~5 min with the start): the 8B job again, both encoders at 16 / 64 tiles with ~1 s
   # timing windows (no transformers rows), then the host's share of the compiled 300M's small-batch time
   timeout 150 python3 bench/e2e.py --preset internvl2_5-8b --n 500 --hf-n 64 --hf-batches 32 --budget 65536 \
