@@ -22,6 +22,7 @@
     python bench/probe.py tma     # a persistent TMA Triton GEMM vs cuBLAS, plain and with the residual epilogue
     python bench/probe.py inplace # the residual as cuBLAS's C written in place (x.addmm_) vs mm and addmm
     python bench/probe.py blas    # the ViT GEMMs: default BLAS path vs cuBLASLt preferred vs TunableOp
+    python bench/probe.py passes  # the ViT's row passes by (rows per program, warps); the 300M's fc1 / qkv epilogues
     python bench/probe.py vitgraph  # the compiled encoders called as is vs replayed as a CUDA graph per bucket
     python bench/probe.py vithost   # host enqueue time of a compiled encoder forward vs its GPU time (16 / 64 tiles)
     python bench/probe.py vit300  # `vit` for the 300M encoder only, without the coordinate-descent pass
@@ -1228,6 +1229,64 @@ def blas(tiles: int = 64) -> None:
             f"{best / t['default']:.3f}")  # fmt: skip
 
 
+def passes(tiles: int = 64) -> None:
+    """The ViT's row passes (`fused_norm`: residual + layer scale + norm, and norm of x + shift) at each encoder's
+    width over 64 tiles of rows, for (rows per program, warps) configs, as GB/s; then the 300M's fc1 with and
+    without cuBLASLt's GELU epilogue and its qkv with and without the bias."""
+    from triton.testing import do_bench
+
+    from batchvl.encoder.fused_norm import _launch, launch_config
+
+    row("width", "pass", "(rows, warps)", "ms", "GB/s", "vs default")
+    row(*["---"] * 6)
+    M = tiles * 1025
+    for C, rms in ((1024, False), (3200, True)):
+        x, y = (torch.randn(M, C, device=DEV, dtype=DT) for _ in range(2))
+        xo, ho = torch.empty_like(x), torch.empty_like(x)
+        b, ls, w, nb = (torch.randn(C, device=DEV, dtype=DT) for _ in range(4))
+        nb = None if rms else nb
+        shift = torch.randn(C, device=DEV)
+        cfgs = [launch_config(C), (1, 4), (1, 8), (2, 4), (2, 8), (4, 4), (4, 8), (8, 8), (16, 16)]
+        for name, sh, nbytes in (
+            ("residual_norm", False, 4 * M * C * 2),
+            ("shifted_norm", True, 2 * M * C * 2),
+        ):
+            base = None
+            for cfg in dict.fromkeys(cfgs):
+                try:
+                    ms = do_bench(lambda cfg=cfg, sh=sh: _launch(
+                        x, shift if sh else y, None if sh else b, None if sh else ls, w, nb, x if sh else xo, ho,
+                        1e-6, rms, shift=sh, cfg=cfg), return_mode="median")  # fmt: skip
+                except Exception as ex:  # noqa: BLE001
+                    row(C, name, cfg, f"{type(ex).__name__}: {str(ex)[:100]}", "-", "-")
+                    continue
+                base = base or ms
+                row(C, name, cfg, f"{ms:.4f}", f"{nbytes / ms / 1e6:.0f}", f"{ms / base:.3f}")
+        del x, y, xo, ho
+    v_ = from_preset("internvl2_5-8b").vision
+    C, ff = v_.hidden_size, v_.intermediate_size
+    a = torch.randn(M, C, device=DEV, dtype=DT)
+    w1, b1 = 0.02 * torch.randn(ff, C, device=DEV, dtype=DT), 0.02 * torch.randn(ff, device=DEV, dtype=DT)
+    wq, bq = (
+        0.02 * torch.randn(3 * C, C, device=DEV, dtype=DT),
+        0.02 * torch.randn(3 * C, device=DEV, dtype=DT),
+    )
+    print()
+    row("300M GEMM", "ms")
+    row("---", "---")
+    for name, fn in (
+        ("fc1 plain, no bias (the floor's)", lambda: F.linear(a, w1)),
+        ("fc1 with bias (addmm)", lambda: F.linear(a, w1, b1)),
+        (
+            "fc1 + bias + GELU epilogue (cuBLASLt)",
+            lambda: torch._addmm_activation(b1, a, w1.t(), use_gelu=True),
+        ),
+        ("qkv no bias (the floor's)", lambda: F.linear(a, wq)),
+        ("qkv with bias (addmm)", lambda: F.linear(a, wq, bq)),
+    ):
+        row(name, f"{do_bench(fn, return_mode='median'):.4f}")
+
+
 def vitattn(tiles: int = 64) -> None:
     """`encoder/vit_attention.py`'s Triton kernel (CLS key as a rank-one step, the CLS query split into partials,
     6B: q/k RMSNorm folded in) against the compiled layer's way (Inductor's q/k RMSNorm + cuDNN SDPA) and cuDNN
@@ -1401,6 +1460,7 @@ if __name__ == "__main__":
     torch.manual_seed(0)
     {
         "cls": cls,
+        "passes": passes,
         "blas": blas,
         "vitattn": vitattn,
         "tma": tma,

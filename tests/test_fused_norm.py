@@ -67,6 +67,38 @@ def test_triton_kernel_in_the_interpreter() -> None:
     _run_interpreted(code)
 
 
+def test_kernel_rows_per_program_in_the_interpreter() -> None:
+    """`_launch` with several rows per program (the last program's rows partly past M: masked) writes what one row
+    per program writes, bit for bit, for the residual and the shifted modes, RMSNorm and LayerNorm; and each equals
+    the reference in fp32."""
+    pytest.importorskip("triton")
+    code = textwrap.dedent(
+        """
+        import torch
+        from batchvl.encoder.fused_norm import _launch, residual_norm_reference, shifted_norm_reference
+        torch.manual_seed(0)
+        for C, rms in ((100, True), (64, False)):
+            x, y, b, ls = torch.randn(7, C), torch.randn(7, C), torch.randn(C), torch.randn(C)
+            w, nb, shift = 1 + 0.1 * torch.randn(C), torch.randn(C), torch.randn(C)
+            outs = []
+            for cfg in ((1, 4), (2, 4), (4, 8), (8, 4)):
+                xo, ho, hs = torch.empty_like(x), torch.empty_like(x), torch.empty_like(x)
+                _launch(x, y, b, ls, w, nb, xo, ho, 1e-6, rms, shift=False, cfg=cfg)
+                _launch(x, shift, None, None, w, nb, x, hs, 1e-6, rms, shift=True, cfg=cfg)
+                outs.append((xo, ho, hs))
+            for o in outs[1:]:
+                assert all(torch.equal(a, b_) for a, b_ in zip(o, outs[0]))
+            want = residual_norm_reference(x, y, b, ls, w, nb, 1e-6, rms)
+            torch.testing.assert_close(outs[0][0], want[0], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(outs[0][1], want[1], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(outs[0][2], shifted_norm_reference(x, shift, w, nb, 1e-6, rms), atol=1e-5,
+                                       rtol=1e-5)
+        print("ok")
+        """
+    )
+    _run_interpreted(code)
+
+
 @pytest.mark.parametrize("vision", ["6b", "300m"])
 def test_fused_forward_equals_eager(vision) -> None:
     """The encoder through `fast_layer_fused` (eager and compiled: the op traced as one node) = the eager encoder;

@@ -45,35 +45,40 @@ if triton is not None:
 
     @triton.jit
     def _residual_norm_kernel(
-        X, Y, BIAS, LS, W, NB, XO, HO, C, eps,
+        X, Y, BIAS, LS, W, NB, XO, HO, M, C, eps,
         HAS_BIAS: tl.constexpr, HAS_NB: tl.constexpr, RMS: tl.constexpr, BLOCK_C: tl.constexpr,
-        SHIFT: tl.constexpr = False,
+        SHIFT: tl.constexpr = False, ROWS: tl.constexpr = 1,
     ):  # fmt: skip
-        """SHIFT: Y is one [C] vector added to every row (no bias, no layer scale), and x + y is not stored."""
-        row = tl.program_id(0).to(tl.int64)
+        """ROWS rows per program. SHIFT: Y is one [C] vector added to every row (no bias, no layer scale), and
+        x + y is not stored."""
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # [ROWS]
         cols = tl.arange(0, BLOCK_C)
-        m = cols < C
-        off = row * C + cols
+        mc = cols < C
+        m = (rows < M)[:, None] & mc[None, :]  # [ROWS, BLOCK_C]
+        off = rows[:, None] * C + cols[None, :]
         if SHIFT:
-            x = tl.load(X + off, mask=m, other=0.0).to(tl.float32) + tl.load(Y + cols, mask=m, other=0.0)
+            x = (
+                tl.load(X + off, mask=m, other=0.0).to(tl.float32)
+                + tl.load(Y + cols, mask=mc, other=0.0)[None, :]
+            )
         else:
             y = tl.load(Y + off, mask=m, other=0.0).to(tl.float32)
             if HAS_BIAS:
-                y = y + tl.load(BIAS + cols, mask=m, other=0.0).to(tl.float32)
-            ls = tl.load(LS + cols, mask=m, other=0.0).to(tl.float32)
+                y = y + tl.load(BIAS + cols, mask=mc, other=0.0).to(tl.float32)[None, :]
+            ls = tl.load(LS + cols, mask=mc, other=0.0).to(tl.float32)[None, :]
             x = tl.load(X + off, mask=m, other=0.0).to(tl.float32) + ls * y
             # stored rounded; the norm below reads the fp32 sum, as Inductor's kernel does
             tl.store(XO + off, x.to(XO.dtype.element_ty), mask=m)
-        w = tl.load(W + cols, mask=m, other=0.0).to(tl.float32)
+        w = tl.load(W + cols, mask=mc, other=0.0).to(tl.float32)[None, :]
         if RMS:
-            n = x * tl.rsqrt(tl.sum(x * x, axis=0) / C + eps)
+            n = x * tl.rsqrt(tl.sum(x * x, axis=1) / C + eps)[:, None]
             h = n.to(HO.dtype.element_ty).to(tl.float32) * w
         else:
-            mean = tl.sum(x, axis=0) / C
-            d = tl.where(m, x - mean, 0.0)
-            h = d * tl.rsqrt(tl.sum(d * d, axis=0) / C + eps) * w
+            mean = tl.sum(x, axis=1) / C
+            d = tl.where(m, x - mean[:, None], 0.0)
+            h = d * tl.rsqrt(tl.sum(d * d, axis=1) / C + eps)[:, None] * w
             if HAS_NB:
-                h = h + tl.load(NB + cols, mask=m, other=0.0).to(tl.float32)
+                h = h + tl.load(NB + cols, mask=mc, other=0.0).to(tl.float32)[None, :]
         tl.store(HO + off, h.to(HO.dtype.element_ty), mask=m)
 
 
@@ -96,15 +101,29 @@ def residual_norm(
     if not _use_triton(x):
         return residual_norm_reference(x, y, bias, ls, w, nb, eps, rms)
     x, y = x.contiguous(), y.contiguous()
-    M, C = x.shape
     xo, ho = torch.empty_like(x), torch.empty_like(x)
-    block = triton.next_power_of_2(C)
-    _residual_norm_kernel[(M,)](
-        x, y, bias if bias is not None else x, ls, w, nb if nb is not None else w, xo, ho, C, eps,
-        HAS_BIAS=bias is not None, HAS_NB=nb is not None, RMS=rms, BLOCK_C=block,
-        num_warps=min(16, max(4, block // 256)),
-    )  # fmt: skip
+    _launch(x, y, bias, ls, w, nb, xo, ho, eps, rms, shift=False)
     return xo, ho
+
+
+def launch_config(C: int) -> tuple[int, int]:
+    """(rows per program, warps) of `_residual_norm_kernel` for rows of width C: one row per program, warps by width."""
+    block = triton.next_power_of_2(C)
+    return 1, min(16, max(4, block // 256))
+
+
+def _launch(
+    x: Tensor, y: Tensor, bias, ls, w: Tensor, nb, xo: Tensor, ho: Tensor, eps: float, rms: bool, shift: bool,
+    cfg: tuple[int, int] | None = None,
+) -> None:  # fmt: skip
+    """`_residual_norm_kernel` over x [M, C] (cfg: (rows per program, warps); default `launch_config(C)`)."""
+    M, C = x.shape
+    rows, warps = cfg or launch_config(C)
+    _residual_norm_kernel[(triton.cdiv(M, rows),)](
+        x, y, bias if bias is not None else x, ls if ls is not None else x, w, nb if nb is not None else w, xo, ho,
+        M, C, eps, HAS_BIAS=bias is not None, HAS_NB=nb is not None, RMS=rms, BLOCK_C=triton.next_power_of_2(C),
+        SHIFT=shift, ROWS=rows, num_warps=warps,
+    )  # fmt: skip
 
 
 @residual_norm.register_fake
@@ -130,14 +149,8 @@ def shifted_norm(x: Tensor, shift: Tensor, w: Tensor, nb: Tensor | None, eps: fl
     if not _use_triton(x):
         return shifted_norm_reference(x, shift, w, nb, eps, rms)
     x = x.contiguous()
-    M, C = x.shape
     ho = torch.empty_like(x)
-    block = triton.next_power_of_2(C)
-    _residual_norm_kernel[(M,)](
-        x, shift, x, x, w, nb if nb is not None else w, x, ho, C, eps,
-        HAS_BIAS=False, HAS_NB=nb is not None, RMS=rms, BLOCK_C=block, SHIFT=True,
-        num_warps=min(16, max(4, block // 256)),
-    )  # fmt: skip
+    _launch(x, shift, None, None, w, nb, x, ho, eps, rms, shift=True)
     return ho
 
 
