@@ -1251,18 +1251,17 @@ def passes(tiles: int = 64) -> None:
             ("residual_norm", False, 4 * M * C * 2),
             ("shifted_norm", True, 2 * M * C * 2),
         ):
+            args = (x, shift, None, None, w, nb, x, ho) if sh else (x, y, b, ls, w, nb, xo, ho)
             base = None
             for cfg in dict.fromkeys(cfgs):
                 try:
-                    ms = do_bench(lambda cfg=cfg, sh=sh: _launch(
-                        x, shift if sh else y, None if sh else b, None if sh else ls, w, nb, x if sh else xo, ho,
-                        1e-6, rms, shift=sh, cfg=cfg), return_mode="median")  # fmt: skip
+                    ms = do_bench(lambda cfg=cfg, sh=sh, args=args, rms=rms: _launch(
+                        *args, 1e-6, rms, shift=sh, cfg=cfg), return_mode="median")  # fmt: skip
                 except Exception as ex:  # noqa: BLE001
                     row(C, name, cfg, f"{type(ex).__name__}: {str(ex)[:100]}", "-", "-")
                     continue
                 base = base or ms
                 row(C, name, cfg, f"{ms:.4f}", f"{nbytes / ms / 1e6:.0f}", f"{ms / base:.3f}")
-        del x, y, xo, ho
     v_ = from_preset("internvl2_5-8b").vision
     C, ff = v_.hidden_size, v_.intermediate_size
     a = torch.randn(M, C, device=DEV, dtype=DT)
