@@ -106,9 +106,15 @@ def residual_norm(
     return xo, ho
 
 
-def launch_config(C: int) -> tuple[int, int]:
-    """(rows per program, warps) of `_residual_norm_kernel` for rows of width C: one row per program, warps by width."""
+def launch_config(C: int, shift: bool = False) -> tuple[int, int]:
+    """(rows per program, warps) of `_residual_norm_kernel` for rows of width C. Measured on an H200 over 65 600 rows
+    (`bench/probe.py passes`, bench/RESULTS.md session 13): the residual mode runs best with one row per program and
+    warps growing with the width (1024: 4 warps, 4087 GB/s; 3200: 16, 4198 GB/s); the shift mode, which moves half
+    the bytes per row, with 4 warps and 2048 columns per program (1024: 2 rows, 3855 GB/s against 3463 with one;
+    3200: 1 row, 4159 against 3567 with 16 warps)."""
     block = triton.next_power_of_2(C)
+    if shift:
+        return max(1, 2048 // block), 4
     return 1, min(16, max(4, block // 256))
 
 
@@ -118,7 +124,7 @@ def _launch(
 ) -> None:  # fmt: skip
     """`_residual_norm_kernel` over x [M, C] (cfg: (rows per program, warps); default `launch_config(C)`)."""
     M, C = x.shape
-    rows, warps = cfg or launch_config(C)
+    rows, warps = cfg or launch_config(C, shift)
     _residual_norm_kernel[(triton.cdiv(M, rows),)](
         x, y, bias if bias is not None else x, ls if ls is not None else x, w, nb if nb is not None else w, xo, ho,
         M, C, eps, HAS_BIAS=bias is not None, HAS_NB=nb is not None, RMS=rms, BLOCK_C=triton.next_power_of_2(C),
