@@ -11,11 +11,13 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
 case $what in
-s13d)  # session 13, last call (~8 min with the start): the shift-mode norm with 2048 columns per program (the 300M's
-  # in-place path), both encoders at 16 / 64 / 128 tiles (ours only), GPU parity of both presets
+s13d)  # session 13, last call (~11 min with the start): the shift-mode norm with 2048 columns per program (the 300M's
+  # in-place path), both encoders at 16 / 64 / 128 tiles (ours only), GPU parity of both presets, the 8B seed job
   timeout 300 python3 bench/vit.py --batches 16,64,128 --mode default --skip-hf 2>&1 \
     | tee "$out/vit.log" | grep -E '^\||floor as one|rel. error|Error|error'
-  timeout 150 python3 bench/gpu_parity.py 2>&1 | tee "$out/parity.log" | grep -E 'ViT|greedy|FAIL|Error|error' ;;
+  timeout 150 python3 bench/gpu_parity.py 2>&1 | tee "$out/parity.log" | grep -E 'ViT|greedy|FAIL|Error|error'
+  timeout 150 python3 bench/e2e.py --preset internvl2_5-8b --n 500 --hf-n 64 --hf-batches 32 --budget 65536 \
+    --modes nocache,hf 2>&1 | tee "$out/e2e_8b.log" | grep -E 'stages|^\||ceiling|RESULT|Error|greedy' ;;
 s13c)  # session 13: the row passes by rows per program and warps, the 300M's GEMM epilogues, then the 300M's compiled
   # layer by kernel (8 layers, 64 tiles) (~3 min)
   timeout 120 python3 bench/probe.py passes 2>&1 | tee "$out/probe_passes.log" | grep -E '^\||Error|error'
