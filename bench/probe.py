@@ -23,6 +23,7 @@
     python bench/probe.py inplace # the residual as cuBLAS's C written in place (x.addmm_) vs mm and addmm
     python bench/probe.py blas    # the ViT GEMMs: default BLAS path vs cuBLASLt preferred vs TunableOp
     python bench/probe.py passes  # the ViT's row passes by (rows per program, warps); the 300M's fc1 / qkv epilogues
+    python bench/probe.py shiftab # the compiled 300M with the old vs new shift-mode norm launch, interleaved
     python bench/probe.py vitgraph  # the compiled encoders called as is vs replayed as a CUDA graph per bucket
     python bench/probe.py vithost   # host enqueue time of a compiled encoder forward vs its GPU time (16 / 64 tiles)
     python bench/probe.py vit300  # `vit` for the 300M encoder only, without the coordinate-descent pass
@@ -1286,6 +1287,48 @@ def passes(tiles: int = 64) -> None:
         row(name, f"{do_bench(fn, return_mode='median'):.4f}")
 
 
+def shiftab() -> None:
+    """The compiled 300M encoder (engine defaults) with the shift-mode norm launched one row per program (the old
+    `launch_config`) and with 2048 columns per program (the new), interleaved three times at 16 and 64 tiles,
+    ~1 s per timing; the launch config is read at run time, so one compiled encoder serves both."""
+    import statistics
+
+    import triton
+    from vit import time_calls
+
+    from batchvl.encoder import fused_norm
+    from batchvl.encoder.internvit_compiled import CompiledEncoder
+
+    new = fused_norm.launch_config
+
+    def old(C, shift=False):
+        return 1, min(16, max(4, triton.next_power_of_2(C) // 256))
+
+    cfg = from_preset("internvl2_5-8b")
+    enc = random_encoder(cfg, DEV, DT)
+    row("tiles", "old: 1 row / program, tiles/s (3 runs)", "new: 2048 columns / program, tiles/s (3 runs)",
+        "new / old (medians)")  # fmt: skip
+    row(*["---"] * 4)
+    try:
+        for tiles in (16, 64):
+            ce = CompiledEncoder(enc, buckets=[tiles])
+            px = torch.randn(tiles, 3, cfg.vision.image_size, cfg.vision.image_size, device=DEV, dtype=DT)
+            with torch.inference_mode():
+                ce(px)
+                got: dict[str, list[float]] = {"old": [], "new": []}
+                for _ in range(3):
+                    for name, fn in (("old", old), ("new", new)):
+                        fused_norm.launch_config = fn
+                        ce(px)
+                        sec, _ = time_calls(ce, px, 1.0, 400)
+                        got[name].append(tiles / sec)
+            mo, mn = statistics.median(got["old"]), statistics.median(got["new"])
+            row(tiles, " / ".join(f"{v:.1f}" for v in got["old"]), " / ".join(f"{v:.1f}" for v in got["new"]),
+                f"{mn / mo:.4f}")  # fmt: skip
+    finally:
+        fused_norm.launch_config = new
+
+
 def vitattn(tiles: int = 64) -> None:
     """`encoder/vit_attention.py`'s Triton kernel (CLS key as a rank-one step, the CLS query split into partials,
     6B: q/k RMSNorm folded in) against the compiled layer's way (Inductor's q/k RMSNorm + cuDNN SDPA) and cuDNN
@@ -1459,6 +1502,7 @@ if __name__ == "__main__":
     torch.manual_seed(0)
     {
         "cls": cls,
+        "shiftab": shiftab,
         "passes": passes,
         "blas": blas,
         "vitattn": vitattn,
