@@ -2,7 +2,8 @@
 
 The InternViT layer does this twice (after proj, after fc2). Inductor fuses it too, but on an H200 at 64 tiles its
 kernel ran at 175-192 us per call for the 300M encoder (bench/RESULTS.md, session 6), against 114 us for the same
-sums compiled alone, so here it is one Triton program per row: read y and x once, write x_new and h once.
+sums compiled alone, so here it is one Triton pass over whole rows (one or a few rows per program, `launch_config`):
+read y and x once, write x_new and h once.
 
 Registered with `torch.library` plus a fake implementation, so a compiled layer traces it as one opaque node; off
 CUDA (or without Triton) the same op runs `residual_norm_reference`, the eager layer's sums.
@@ -122,7 +123,7 @@ def _launch(
     x: Tensor, y: Tensor, bias, ls, w: Tensor, nb, xo: Tensor, ho: Tensor, eps: float, rms: bool, shift: bool,
     cfg: tuple[int, int] | None = None,
 ) -> None:  # fmt: skip
-    """`_residual_norm_kernel` over x [M, C] (cfg: (rows per program, warps); default `launch_config(C)`)."""
+    """`_residual_norm_kernel` over x [M, C] (cfg: (rows per program, warps); default `launch_config(C, shift)`)."""
     M, C = x.shape
     rows, warps = cfg or launch_config(C, shift)
     _residual_norm_kernel[(triton.cdiv(M, rows),)](
