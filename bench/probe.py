@@ -24,6 +24,8 @@
     python bench/probe.py blas    # the ViT GEMMs: default BLAS path vs cuBLASLt preferred vs TunableOp
     python bench/probe.py passes  # the ViT's row passes by (rows per program, warps); the 300M's fc1 / qkv epilogues
     python bench/probe.py shiftab # the compiled 300M with the old vs new shift-mode norm launch, interleaved
+    python bench/probe.py tunab   # TunableOp: its solutions on CUDA, the ViT GEMMs and compiled encoders off vs on
+    python bench/probe.py inplaceab  # the compiled 6B with residual_norm vs residuals in place, interleaved
     python bench/probe.py vitgraph  # the compiled encoders called as is vs replayed as a CUDA graph per bucket
     python bench/probe.py vithost   # host enqueue time of a compiled encoder forward vs its GPU time (16 / 64 tiles)
     python bench/probe.py vit300  # `vit` for the 300M encoder only, without the coordinate-descent pass
@@ -1499,11 +1501,143 @@ def vithost() -> None:
     torch._dynamo.reset()
 
 
+def tunab(tiles: int = 64) -> None:
+    """TunableOp (`torch.cuda.tunable`) on this build: which solutions it registers for a bf16 GEMM on CUDA (its
+    results name the one it keeps), each ViT GEMM (fc1 also with the GELU epilogue) with TunableOp off vs on after
+    tuning, interleaved do_bench medians; then the compiled encoders (engine defaults) with TunableOp off vs on,
+    interleaved three times, ~1.5 s per timing. Tuned results go to a temporary file, not the working directory."""
+    import os
+    import statistics
+    import tempfile
+
+    from vit import time_calls
+
+    from batchvl.encoder.internvit_compiled import CompiledEncoder
+
+    tun = torch.cuda.tunable
+    tun.set_filename(os.path.join(tempfile.mkdtemp(), "tunableop.csv"))
+    tun.set_max_tuning_iterations(30)
+
+    def tuned(fn):
+        tun.enable(True)
+        tun.tuning_enable(True)
+        fn()
+        torch.cuda.synchronize()
+        tun.tuning_enable(False)
+
+    def ab(fn, rounds=3):
+        got = {"off": [], "on": []}
+        for _ in range(rounds):
+            for name in ("off", "on"):
+                tun.enable(name == "on")
+                got[name].append(fn())
+        tun.enable(False)
+        return statistics.median(got["off"]), statistics.median(got["on"])
+
+    row("GEMM (M, K -> N)", "off ms", "on ms", "on / off", "solution kept")
+    row(*["---"] * 5)
+    seen = 0
+    for preset, tag in (("internvl2_5-38b", "6B"), ("internvl2_5-8b", "300M")):
+        v_ = from_preset(preset).vision
+        M, C, ff = tiles * (v_.num_patches + 1), v_.hidden_size, v_.intermediate_size
+        for name, (K, N) in {"qkv": (C, 3 * C), "proj": (C, C), "fc1": (C, ff), "fc1+gelu": (C, ff),
+                             "fc2": (ff, C)}.items():  # fmt: skip
+            a = torch.randn(M, K, device=DEV, dtype=DT)
+            w = torch.randn(N, K, device=DEV, dtype=DT) * 0.02
+            b = torch.randn(N, device=DEV, dtype=DT) * 0.02
+            if name == "fc1+gelu":
+                fn = functools.partial(torch._addmm_activation, b, a, w.t(), use_gelu=True)
+            else:
+                fn = functools.partial(F.linear, a, w)
+            with torch.inference_mode():
+                tuned(fn)
+                off, on = ab(lambda fn=fn: do_bench_ms(fn))
+            res = tun.get_results()
+            pick = "; ".join(str(r[2]) for r in res[seen:]) or "(no new result)"
+            seen = len(res)
+            row(f"{tag} {name} ({M}, {K} -> {N})", f"{off:.3f}", f"{on:.3f}", f"{on / off:.3f}", pick[:80])
+            del a, w, b
+    print(f"results: {len(tun.get_results())}; validators: {tun.get_validators()}", flush=True)
+
+    row("preset", "tiles", "off tiles/s (3 runs)", "on tiles/s (3 runs)", "on / off (medians)")
+    row(*["---"] * 5)
+    for preset in ("internvl2_5-38b", "internvl2_5-8b"):
+        cfg = from_preset(preset)
+        enc = random_encoder(cfg, DEV, DT)
+        ce = CompiledEncoder(enc, buckets=[tiles])
+        px = torch.randn(tiles, 3, cfg.vision.image_size, cfg.vision.image_size, device=DEV, dtype=DT)
+        with torch.inference_mode():
+            ce(px)
+            tuned(functools.partial(ce, px))
+            runs = {"off": [], "on": []}
+            for _ in range(3):
+                for name in ("off", "on"):
+                    tun.enable(name == "on")
+                    ce(px)
+                    sec, _ = time_calls(ce, px, 1.5, 400)
+                    runs[name].append(tiles / sec)
+            tun.enable(False)
+        mo, mn = statistics.median(runs["off"]), statistics.median(runs["on"])
+        row(preset, tiles, " / ".join(f"{v:.1f}" for v in runs["off"]), " / ".join(f"{v:.1f}" for v in runs["on"]),
+            f"{mn / mo:.4f}")  # fmt: skip
+        del ce, enc, px
+        torch.cuda.empty_cache()
+        torch._dynamo.reset()
+
+
+def inplaceab(tiles: int = 64) -> None:
+    """The compiled 6B encoder with `residual_norm` (its default) vs residuals added in place by the GEMMs
+    (`inplace_residual`, the 300M's default), interleaved three times, ~1.5 s per timing, at today's row-pass
+    launch (session 13's s13a compared them before the shift-mode norm's 2048-column launch)."""
+    import statistics
+
+    from vit import time_calls
+
+    from batchvl.encoder.internvit_compiled import CompiledEncoder
+
+    cfg = from_preset("internvl2_5-38b")
+    enc = random_encoder(cfg, DEV, DT)
+    encs = {name: CompiledEncoder(enc, buckets=[tiles], inplace_residual=(name == "in place"))
+            for name in ("residual_norm", "in place")}  # fmt: skip
+    px = torch.randn(tiles, 3, cfg.vision.image_size, cfg.vision.image_size, device=DEV, dtype=DT)
+    runs: dict[str, list[float]] = {name: [] for name in encs}
+    with torch.inference_mode():
+        outs = {name: ce(px) for name, ce in encs.items()}
+        err = float(
+            (outs["in place"].float() - outs["residual_norm"].float()).norm()
+            / outs["residual_norm"].float().norm()
+        )
+        for _ in range(3):
+            for name, ce in encs.items():
+                ce(px)
+                sec, _ = time_calls(ce, px, 1.5, 400)
+                runs[name].append(tiles / sec)
+    row(
+        "tiles",
+        "residual_norm tiles/s (3 runs)",
+        "in place tiles/s (3 runs)",
+        "in place / residual_norm",
+        "rel diff",
+    )
+    row(*["---"] * 5)
+    a, b = statistics.median(runs["residual_norm"]), statistics.median(runs["in place"])
+    row(tiles, " / ".join(f"{v:.2f}" for v in runs["residual_norm"]), " / ".join(f"{v:.2f}" for v in runs["in place"]),
+        f"{b / a:.4f}", f"{err:.1e}")  # fmt: skip
+
+
+def do_bench_ms(fn) -> float:
+    from triton.testing import do_bench
+
+    return do_bench(fn, return_mode="median")
+
+
 if __name__ == "__main__":
     torch.manual_seed(0)
     {
         "cls": cls,
         "shiftab": shiftab,
+        "tunab": tunab,
+        "inplaceab": inplaceab,
         "passes": passes,
         "blas": blas,
         "vitattn": vitattn,

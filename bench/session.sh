@@ -1,16 +1,25 @@
 #!/usr/bin/env bash
 # The GPU runs that belong together, one step per device call (each bounded to fit one call's 600 s).
 # Usage on the device (after ../shared/tools/device-prep here; carry .whl and .data):
-#   bash bench/session.sh s13e|s13d|s13c|s13b|s12d|s12c|s12b|s12a|s11e|s11d|s11c|s11b|s11a|s10-300m|s10-final|s10-8b|s10b|s10|s10-attn|s9-parity|s9-8b|s9b|s9|tma|s8-resid2|s8-resid|s8-copies|s8-e2e|s8-38b|s8-perseq|s8-probe|s7-cache|s7-38b|s7-vit|s7-e2e|s7-probe|probe-dec|try-8b|ragged|fused|margins|parity|parity-e2e|parity38-e2e|e2e-both|final|probe-llm|probe-vit|parts|vit64-modes|e2e-cudnn|e2e-38b|e2e-8b-overlap|fp8|fp8-bench|fp8-e2e|attn-8b|e2e-8b-hf64|vit64|vit|e2e|e2e-fast|e2e-8b
+#   bash bench/session.sh s14a|s13e|s13d|s13c|s13b|s12d|s12c|s12b|s12a|s11e|s11d|s11c|s11b|s11a|s10-300m|s10-final|s10-8b|s10b|s10|s10-attn|s9-parity|s9-8b|s9b|s9|tma|s8-resid2|s8-resid|s8-copies|s8-e2e|s8-38b|s8-perseq|s8-probe|s7-cache|s7-38b|s7-vit|s7-e2e|s7-probe|probe-dec|try-8b|ragged|fused|margins|parity|parity-e2e|parity38-e2e|e2e-both|final|probe-llm|probe-vit|parts|vit64-modes|e2e-cudnn|e2e-38b|e2e-8b-overlap|fp8|fp8-bench|fp8-e2e|attn-8b|e2e-8b-hf64|vit64|vit|e2e|e2e-fast|e2e-8b
 # Full logs land in $OUT (when set); each step ends with the table to copy into bench/RESULTS.md.
 set -u
-what=${1:?s13e|s13d|s13c|s13b|s12d|s12c|s12b|s12a|s11e|s11d|s11c|s11b|s11a|s10-300m|s10-final|s10-8b|s10b|s10|s10-attn|s9-parity|s9-8b|s9b|s9|tma|s8-resid2|s8-resid|s8-copies|s8-e2e|s8-38b|s8-perseq|s8-probe|s7-cache|s7-38b|s7-vit|s7-e2e|s7-probe|probe-dec|try-8b|ragged|fused|margins|parity|parity-e2e|parity38-e2e|e2e-both|final|probe-llm|probe-vit|parts|vit64-modes|e2e-cudnn|e2e-38b|e2e-8b-overlap|fp8|fp8-bench|fp8-e2e|attn-8b|e2e-8b-hf64|vit64|vit|e2e|e2e-fast|e2e-8b}
+what=${1:?s14a|s13e|s13d|s13c|s13b|s12d|s12c|s12b|s12a|s11e|s11d|s11c|s11b|s11a|s10-300m|s10-final|s10-8b|s10b|s10|s10-attn|s9-parity|s9-8b|s9b|s9|tma|s8-resid2|s8-resid|s8-copies|s8-e2e|s8-38b|s8-perseq|s8-probe|s7-cache|s7-38b|s7-vit|s7-e2e|s7-probe|probe-dec|try-8b|ragged|fused|margins|parity|parity-e2e|parity38-e2e|e2e-both|final|probe-llm|probe-vit|parts|vit64-modes|e2e-cudnn|e2e-38b|e2e-8b-overlap|fp8|fp8-bench|fp8-e2e|attn-8b|e2e-8b-hf64|vit64|vit|e2e|e2e-fast|e2e-8b}
 out=${OUT:-/tmp}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
 case $what in
+s14a)  # session 14: TunableOp on this build (its solutions; the ViT GEMMs and the compiled encoders off vs on,
+  # interleaved), then the compiled 6B with residual_norm vs residuals in place, interleaved; SM clock and power
+  # sampled every 200 ms throughout (~6 min with the start)
+  nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv,noheader -lms 200 \
+    > "$out/smi.csv" 2>&1 &
+  smi=$!
+  timeout 200 python3 bench/probe.py tunab 2>&1 | tee "$out/probe_tunab.log" | grep -E '^\||^results|Error|error'
+  timeout 120 python3 bench/probe.py inplaceab 2>&1 | tee "$out/probe_inplaceab.log" | grep -E '^\||Error|error'
+  kill $smi ;;
 s13e)  # session 13: the compiled 300M with the old vs new shift-mode norm launch, interleaved (~3 min with the start)
   timeout 150 python3 bench/probe.py shiftab 2>&1 | tee "$out/probe_shiftab.log" | grep -E '^\||Error|error' ;;
 s13d)  # session 13, last call (~11 min with the start): the shift-mode norm with 2048 columns per program (the 300M's
