@@ -29,6 +29,7 @@
     python bench/probe.py vitgraph  # the compiled encoders called as is vs replayed as a CUDA graph per bucket
     python bench/probe.py vithost   # host enqueue time of a compiled encoder forward vs its GPU time (16 / 64 tiles)
     python bench/probe.py vit300  # `vit` for the 300M encoder only, without the coordinate-descent pass
+    python bench/probe.py vit6b   # the same for the 6B encoder
     python bench/probe.py llm   # 38B LLM (64 layers), 16 x 2000 tokens: prefill and 3 decode steps, eager vs
                                 # CUDA-graphed decode vs compiled layers
 
@@ -1411,6 +1412,10 @@ def vit300() -> None:
     vit(presets=("internvl2_5-8b",), tuned=False)
 
 
+def vit6b() -> None:
+    vit(presets=("internvl2_5-38b",), tuned=False)
+
+
 def vitgraph() -> None:
     """The compiled encoder (engine defaults) called as is vs replayed as one CUDA graph per bucket: do_bench
     medians at each encoder's real depth, the GPU-busy share of a plain call (kernel time summed by the profiler /
@@ -1652,6 +1657,7 @@ if __name__ == "__main__":
         "decode": decode,
         "decattn": decattn,
         "vit300": vit300,
+        "vit6b": vit6b,
         "vitgraph": vitgraph,
         "vithost": vithost,
         "vit": vit,

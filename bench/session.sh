@@ -1,16 +1,27 @@
 #!/usr/bin/env bash
 # The GPU runs that belong together, one step per device call (each bounded to fit one call's 600 s).
 # Usage on the device (after ../shared/tools/device-prep here; carry .whl and .data):
-#   bash bench/session.sh s14a|s13e|s13d|s13c|s13b|s12d|s12c|s12b|s12a|s11e|s11d|s11c|s11b|s11a|s10-300m|s10-final|s10-8b|s10b|s10|s10-attn|s9-parity|s9-8b|s9b|s9|tma|s8-resid2|s8-resid|s8-copies|s8-e2e|s8-38b|s8-perseq|s8-probe|s7-cache|s7-38b|s7-vit|s7-e2e|s7-probe|probe-dec|try-8b|ragged|fused|margins|parity|parity-e2e|parity38-e2e|e2e-both|final|probe-llm|probe-vit|parts|vit64-modes|e2e-cudnn|e2e-38b|e2e-8b-overlap|fp8|fp8-bench|fp8-e2e|attn-8b|e2e-8b-hf64|vit64|vit|e2e|e2e-fast|e2e-8b
+#   bash bench/session.sh s14b|s14a|s13e|s13d|s13c|s13b|s12d|s12c|s12b|s12a|s11e|s11d|s11c|s11b|s11a|s10-300m|s10-final|s10-8b|s10b|s10|s10-attn|s9-parity|s9-8b|s9b|s9|tma|s8-resid2|s8-resid|s8-copies|s8-e2e|s8-38b|s8-perseq|s8-probe|s7-cache|s7-38b|s7-vit|s7-e2e|s7-probe|probe-dec|try-8b|ragged|fused|margins|parity|parity-e2e|parity38-e2e|e2e-both|final|probe-llm|probe-vit|parts|vit64-modes|e2e-cudnn|e2e-38b|e2e-8b-overlap|fp8|fp8-bench|fp8-e2e|attn-8b|e2e-8b-hf64|vit64|vit|e2e|e2e-fast|e2e-8b
 # Full logs land in $OUT (when set); each step ends with the table to copy into bench/RESULTS.md.
 set -u
-what=${1:?s14a|s13e|s13d|s13c|s13b|s12d|s12c|s12b|s12a|s11e|s11d|s11c|s11b|s11a|s10-300m|s10-final|s10-8b|s10b|s10|s10-attn|s9-parity|s9-8b|s9b|s9|tma|s8-resid2|s8-resid|s8-copies|s8-e2e|s8-38b|s8-perseq|s8-probe|s7-cache|s7-38b|s7-vit|s7-e2e|s7-probe|probe-dec|try-8b|ragged|fused|margins|parity|parity-e2e|parity38-e2e|e2e-both|final|probe-llm|probe-vit|parts|vit64-modes|e2e-cudnn|e2e-38b|e2e-8b-overlap|fp8|fp8-bench|fp8-e2e|attn-8b|e2e-8b-hf64|vit64|vit|e2e|e2e-fast|e2e-8b}
+what=${1:?s14b|s14a|s13e|s13d|s13c|s13b|s12d|s12c|s12b|s12a|s11e|s11d|s11c|s11b|s11a|s10-300m|s10-final|s10-8b|s10b|s10|s10-attn|s9-parity|s9-8b|s9b|s9|tma|s8-resid2|s8-resid|s8-copies|s8-e2e|s8-38b|s8-perseq|s8-probe|s7-cache|s7-38b|s7-vit|s7-e2e|s7-probe|probe-dec|try-8b|ragged|fused|margins|parity|parity-e2e|parity38-e2e|e2e-both|final|probe-llm|probe-vit|parts|vit64-modes|e2e-cudnn|e2e-38b|e2e-8b-overlap|fp8|fp8-bench|fp8-e2e|attn-8b|e2e-8b-hf64|vit64|vit|e2e|e2e-fast|e2e-8b}
 out=${OUT:-/tmp}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
 case $what in
+s14b)  # session 14: why the compiled 6B read 34 tiles/s in s14a (52 in sessions 12-13): cuDNN version, the 6B's
+  # compiled layer by kernel kind (8 layers), then the 6B at 64 tiles against its floors; clock and power sampled
+  nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+    --format=csv,noheader -lms 200 > "$out/smi.csv" 2>&1 &
+  smi=$!
+  python3 -c "import torch; print('torch', torch.__version__, 'cudnn', torch.backends.cudnn.version())"
+  nvidia-smi -q -d POWER,CLOCK | grep -iE 'limit|max|current' | head -20
+  timeout 150 python3 bench/probe.py vit6b 2>&1 | tee "$out/probe_vit6b.log" | grep -vE '^\s*$' | head -45
+  timeout 200 python3 bench/vit.py --models 6b --batches 64 --mode default --skip-hf 2>&1 \
+    | tee "$out/vit.log" | grep -E '^\||floor as one|rel. error|Error|error'
+  kill $smi ;;
 s14a)  # session 14: TunableOp on this build (its solutions; the ViT GEMMs and the compiled encoders off vs on,
   # interleaved), then the compiled 6B with residual_norm vs residuals in place, interleaved; SM clock and power
   # sampled every 200 ms throughout (~6 min with the start)
