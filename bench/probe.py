@@ -26,6 +26,7 @@
     python bench/probe.py shiftab # the compiled 300M with the old vs new shift-mode norm launch, interleaved
     python bench/probe.py tunab   # TunableOp: its solutions on CUDA, the ViT GEMMs and compiled encoders off vs on
     python bench/probe.py inplaceab  # the compiled 6B with residual_norm vs residuals in place, interleaved
+    python bench/probe.py howtimed   # one compiled encoder timed under no_grad / inference_mode / do_bench, by kind
     python bench/probe.py vitgraph  # the compiled encoders called as is vs replayed as a CUDA graph per bucket
     python bench/probe.py vithost   # host enqueue time of a compiled encoder forward vs its GPU time (16 / 64 tiles)
     python bench/probe.py vit300  # `vit` for the 300M encoder only, without the coordinate-descent pass
@@ -1630,6 +1631,55 @@ def inplaceab(tiles: int = 64) -> None:
         f"{b / a:.4f}", f"{err:.1e}")  # fmt: skip
 
 
+def howtimed() -> None:
+    """The compiled 6B read 34 tiles/s under `probe.py tunab` / `inplaceab` (time_calls inside inference_mode) and
+    51.3 under `vit.py` (time_calls inside no_grad) on the same machine type: the same CompiledEncoder timed each
+    way in one process, in turn, with each way's kernel time by kind from one profiled call."""
+    from vit import time_calls
+
+    from batchvl.encoder.internvit_compiled import CompiledEncoder
+
+    tiles = 64
+    for preset in ("internvl2_5-38b", "internvl2_5-8b"):
+        cfg = from_preset(preset)
+        enc = random_encoder(cfg, DEV, DT)
+        ce = CompiledEncoder(enc, buckets=[tiles])
+        px = torch.randn(tiles, 3, cfg.vision.image_size, cfg.vision.image_size, device=DEV, dtype=DT)
+        with torch.no_grad():
+            ce(px)
+        ways = [
+            ("no_grad + time_calls", torch.no_grad, "calls"),
+            ("inference_mode + time_calls", torch.inference_mode, "calls"),
+            ("bench_ms (do_bench)", torch.no_grad, "do_bench"),
+            ("no_grad + time_calls again", torch.no_grad, "calls"),
+        ]
+        row(preset, "tiles/s", "profiled ms by kind (one call)")
+        row("---", "---", "---")
+        for name, ctx, how in ways:
+            with ctx():
+                ce(px)
+                if how == "calls":
+                    tps = tiles / time_calls(ce, px, 1.5, 400)[0]
+                else:
+                    tps = tiles / bench_ms(functools.partial(ce, px), DEV, 3, 20) * 1e3
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as p:
+                    ce(px)
+                    torch.cuda.synchronize()
+            kinds: dict[str, float] = {}
+            for e in p.key_averages():
+                if e.device_type == torch.autograd.DeviceType.CUDA:
+                    k = kernel_kind(e.key)
+                    kinds[k] = kinds.get(k, 0.0) + (getattr(e, "device_time_total", 0) or 0) / 1e3
+            row(
+                name,
+                f"{tps:.2f}",
+                ", ".join(f"{k} {v:.0f}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])),
+            )
+        del ce, enc, px
+        torch.cuda.empty_cache()
+        torch._dynamo.reset()
+
+
 def do_bench_ms(fn) -> float:
     from triton.testing import do_bench
 
@@ -1642,6 +1692,7 @@ if __name__ == "__main__":
         "cls": cls,
         "shiftab": shiftab,
         "tunab": tunab,
+        "howtimed": howtimed,
         "inplaceab": inplaceab,
         "passes": passes,
         "blas": blas,
