@@ -1593,8 +1593,9 @@ def tunab(tiles: int = 64) -> None:
 
 def inplaceab(tiles: int = 64) -> None:
     """The compiled 6B encoder with `residual_norm` (its default) vs residuals added in place by the GEMMs
-    (`inplace_residual`, the 300M's default), interleaved three times, ~1.5 s per timing, at today's row-pass
-    launch (session 13's s13a compared them before the shift-mode norm's 2048-column launch)."""
+    (`inplace_residual`, the 300M's default), interleaved four times, ~3 s per timing, at today's row-pass
+    launch (session 13's s13a compared them before the shift-mode norm's 2048-column launch). Order A B B A per
+    pair of rounds, so a steady drift of the clocks weighs on both alike."""
     import statistics
 
     from vit import time_calls
@@ -1613,15 +1614,16 @@ def inplaceab(tiles: int = 64) -> None:
             (outs["in place"].float() - outs["residual_norm"].float()).norm()
             / outs["residual_norm"].float().norm()
         )
-        for _ in range(3):
-            for name, ce in encs.items():
-                ce(px)
-                sec, _ = time_calls(ce, px, 1.5, 400)
+        names = list(encs)
+        for r in range(4):
+            for name in names if r % 2 == 0 else names[::-1]:
+                encs[name](px)
+                sec, _ = time_calls(encs[name], px, 3.0, 400)
                 runs[name].append(tiles / sec)
     row(
         "tiles",
-        "residual_norm tiles/s (3 runs)",
-        "in place tiles/s (3 runs)",
+        "residual_norm tiles/s (4 runs)",
+        "in place tiles/s (4 runs)",
         "in place / residual_norm",
         "rel diff",
     )

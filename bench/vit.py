@@ -65,8 +65,11 @@ def bench_ms(fn, dev: torch.device, warmup: int = 25, rep: int = 100) -> float:
 
 
 def time_calls(fn, px: torch.Tensor, target_s: float, max_iters: int) -> tuple[float, int]:
-    """Seconds per call (the caller has warmed fn up): at least 2 calls, more while under target_s."""
+    """Seconds per call (the caller has warmed fn up): at least 2 calls, more while under target_s. Starts on an idle
+    GPU: a warm-up call still queued would otherwise be timed too (session 14: the 6B's 2-call windows read 1.5x
+    slow in probes that skipped the sync)."""
     dev = px.device
+    sync(dev)
     n, t0 = 0, time.perf_counter()
     while n < 2 or (n < max_iters and time.perf_counter() - t0 < target_s):
         fn(px)
