@@ -133,6 +133,7 @@ def vision_encoder(model: Any, cfg: InternVLConfig, ecfg: Any, ctx: dist.DistCon
             fused_norm=ecfg.vit_fused_norm,
             inplace_residual=ecfg.vit_inplace_residual,
             triton_attn=ecfg.vit_triton_attention,
+            fold_in_place=True,  # the engine owns the model: layer scales into its weights, no copies
         )
         if ecfg.compile_vit
         else None

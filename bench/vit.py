@@ -315,7 +315,9 @@ def run_model(name: str, args, dev: torch.device, dtype: torch.dtype, ceiling: f
 
     t0 = time.perf_counter()
     buckets = [args.max_bucket] if args.max_bucket else list(args.batches)  # exact sizes: no padding
-    ce = compile_encoder(enc, mode=args.mode, buckets=buckets, attn_backend=backend)
+    # as the runner builds it: the layer scales folded into enc's own weights (every variant below, transformers'
+    # included, then runs those weights; `ref` above was computed before, from the unfolded copy)
+    ce = compile_encoder(enc, mode=args.mode, buckets=buckets, attn_backend=backend, fold_in_place=True)
     variants: dict[str, object] = {"ours-eager": enc, "ours-compiled": ce}
     if args.vs_mode:  # ours compiled in a second mode, on the same inputs in the same run
         variants[f"ours-{args.vs_mode}"] = compile_encoder(

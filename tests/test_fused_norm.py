@@ -134,6 +134,37 @@ def test_inplace_residual_forward_equals_eager(vision) -> None:
     torch.testing.assert_close(got, ref, atol=ATOL, rtol=RTOL)
 
 
+def test_fold_in_place_copies_nothing_and_keeps_the_function(monkeypatch) -> None:
+    """`CompiledEncoder(fold_in_place=True)` folds the layer scales into the encoder's own proj / fc2 weights and
+    biases (its ls1 / ls2 become ones): the eager module then computes what it did before (fp32, tightly), nothing
+    is left to copy (so the auto rule turns the in-place residuals on at any size), the folded entries are the
+    module's own weights, and the compiled encoder equals the eager one."""
+    from batchvl.encoder import internvit_compiled
+
+    enc, _ = build_pair("6b")
+    with torch.no_grad():
+        for layer in enc.vit.layers:
+            for p in (layer.ls1, layer.ls2, layer.attn.proj.bias, layer.mlp.fc2.bias):
+                p.copy_(0.5 * torch.randn_like(p))
+    px = torch.randn(2, 3, 112, 112)
+    with torch.no_grad():
+        ref = enc(px)
+    assert internvit_compiled.fold_copy_bytes(enc) > 0
+    # as if the copies were too large (the 6B's 4.6 GB)
+    monkeypatch.setattr(internvit_compiled, "INPLACE_AUTO_MAX_BYTES", 0)
+    assert not compile_encoder(enc, buckets=[2]).inplace_residual  # copies would be needed: off
+    ce = compile_encoder(enc, buckets=[2], fold_in_place=True)
+    assert ce.inplace_residual and internvit_compiled.fold_copy_bytes(enc) == 0
+    for layer in enc.vit.layers:
+        assert bool((layer.ls1 == 1).all()) and bool((layer.ls2 == 1).all())
+    with torch.no_grad():
+        torch.testing.assert_close(enc(px), ref, atol=ATOL, rtol=RTOL)  # the same function
+    torch.testing.assert_close(ce(px), ref, atol=ATOL, rtol=RTOL)
+    layer0 = enc.vit.layers[0]
+    assert ce.folded[0][0].data_ptr() == layer0.attn.proj.weight.data_ptr()  # no copy
+    assert ce.folded[0][2].data_ptr() == layer0.mlp.fc2.weight.data_ptr()
+
+
 def test_shifted_norm_kernel_in_the_interpreter() -> None:
     """norm(x + shift) through the kernel's SHIFT mode (TRITON_INTERPRET=1) = the reference and the norm modules;
     fp32 tightly, bf16 within 1e-2 by norm; masked widths, LayerNorm with and without bias, RMSNorm."""
@@ -197,7 +228,8 @@ def test_job_option_reaches_the_encoder() -> None:
 def test_inplace_residual_auto_follows_the_weight_copies_size(monkeypatch) -> None:
     """`inplace_residual=None` (the default; `engine.vit_inplace_residual: null`) turns the in-place path on when the
     proj / fc2 copies fit the limit (the tiny encoder's do), off when they do not (the limit lowered below them), and
-    off for FP8 layers."""
+    off for FP8 layers. The runner folds the layer scales into its model's weights, so it copies nothing and is in
+    place under any limit."""
     import types
 
     from batchvl.encoder import internvit_compiled
@@ -209,10 +241,10 @@ def test_inplace_residual_auto_follows_the_weight_copies_size(monkeypatch) -> No
     ecfg = EngineConfig()
     assert ecfg.vit_inplace_residual is None
     assert compile_encoder(enc).inplace_residual
-    assert vision_encoder(types.SimpleNamespace(vision=enc), enc.cfg, ecfg, None).inplace_residual
     copies = sum(la.attn.proj.weight.nbytes + la.mlp.fc2.weight.nbytes for la in enc.vit.layers)
     monkeypatch.setattr(internvit_compiled, "INPLACE_AUTO_MAX_BYTES", copies - 1)
     assert not compile_encoder(enc).inplace_residual
+    assert vision_encoder(types.SimpleNamespace(vision=enc), enc.cfg, ecfg, None).inplace_residual
     monkeypatch.setattr(internvit_compiled, "INPLACE_AUTO_MAX_BYTES", copies)
-    assert compile_encoder(enc).inplace_residual
+    assert compile_encoder(build_pair("300m")[0]).inplace_residual
     assert not compile_encoder(fp8_vit(enc)).inplace_residual

@@ -13,8 +13,9 @@ Same math as `internvit.py`; what differs is only where the graph boundaries lie
   epilogue is GELU's tanh form, at most 4.7e-4 from exact GELU (at |x| = 2.7, where bf16's spacing is 1.6e-2);
   `bench/gpu_parity.py` bounds the bf16 feature error. On CPU the same call computes exact GELU;
 - tile batches are padded up to a bucket so a long job compiles a handful of shapes, never one per count;
-- opt-in (`inplace_residual`): each residual added by its GEMM in place (`fast_layer_inplace`): +0.7% (6B) and
-  +1.4% (300M) on an H200 at 64 tiles, for a copy of the proj / fc2 weights (bench/RESULTS.md, session 9).
+- each residual added by its GEMM in place (`fast_layer_inplace`): +1.2% (6B, session 14) and +1.4% (300M,
+  session 9) on an H200 at 64 tiles (bench/RESULTS.md); the layer scales folded into copies of the proj / fc2
+  weights, or into the encoder's own weights (`fold_in_place`, what the runner does).
 """
 
 from __future__ import annotations
@@ -165,18 +166,40 @@ def fast_layer_inplace(
     return shift, shifted_norm(x, shift, *norm_params(next_norm)).view(B, T, C)
 
 
-def fold_scales(enc: VisionEncoder) -> list[tuple[Tensor, Tensor, Tensor, Tensor]]:
+def fold_scales(enc: VisionEncoder, in_place: bool = False) -> list[tuple[Tensor, Tensor, Tensor, Tensor]]:
     """Per layer (ls1 * proj.weight, ls1 * proj.bias in fp32, ls2 * fc2.weight, ls2 * fc2.bias in fp32), each scale
-    multiplying its linear's output rows; weights rounded once to their dtype (a copy of proj and fc2)."""
+    multiplying its linear's output rows; weights rounded once to their dtype. A layer scale of exactly ones takes
+    the linear's own weight (no copy); any other a copy. in_place: first fold every scale into the encoder's own
+    proj / fc2 weights and biases and set it to ones, so nothing is copied: the module then computes the same
+    function, up to that one rounding of ls * W (and of ls * b) to the weights' dtype."""
     out = []
-    for layer in enc.vit.layers:
-        p, f = layer.attn.proj, layer.mlp.fc2
-        ls1, ls2 = layer.ls1.detach().float(), layer.ls2.detach().float()
-        out.append((
-            (ls1[:, None] * p.weight.detach().float()).to(p.weight.dtype), ls1 * p.bias.detach().float(),
-            (ls2[:, None] * f.weight.detach().float()).to(f.weight.dtype), ls2 * f.bias.detach().float(),
-        ))  # fmt: skip
+    with torch.inference_mode():  # also writes parameters created under inference mode
+        for layer in enc.vit.layers:
+            entry: list[Tensor] = []
+            for lin, ls in ((layer.attn.proj, layer.ls1), (layer.mlp.fc2, layer.ls2)):
+                if in_place and not bool((ls == 1).all()):
+                    s = ls.detach().float()
+                    lin.weight.copy_((s[:, None] * lin.weight.float()).to(lin.weight.dtype))
+                    lin.bias.copy_((s * lin.bias.float()).to(lin.bias.dtype))
+                    ls.fill_(1)
+                if bool((ls == 1).all()):
+                    entry += [lin.weight.detach(), lin.bias.detach().float()]
+                else:
+                    s = ls.detach().float()
+                    entry += [(s[:, None] * lin.weight.detach().float()).to(lin.weight.dtype),
+                              s * lin.bias.detach().float()]  # fmt: skip
+            out.append(tuple(entry))
     return out
+
+
+def fold_copy_bytes(enc: VisionEncoder) -> int:
+    """What `fold_scales(enc)` copies: the proj / fc2 weights whose layer scale is not exactly ones."""
+    return sum(
+        lin.weight.nbytes
+        for layer in enc.vit.layers
+        for lin, ls in ((layer.attn.proj, layer.ls1), (layer.mlp.fc2, layer.ls2))
+        if not bool((ls == 1).all())
+    )
 
 
 def fast_forward_inplace(
@@ -383,6 +406,9 @@ class CompiledEncoder:
     proj and fc2 weights with the layer scales folded in (plain Linear layers only). None (the default): on where
     those copies take at most `INPLACE_AUTO_MAX_BYTES` (InternViT-300M: 0.25 GB in bf16; the 6B's 4.6 GB stay off)
     and the layers are plain Linear (not FP8).
+    fold_in_place: fold the layer scales into `enc`'s own weights instead (mutates enc: `fold_scales(in_place=True)`),
+    so the in-place path copies nothing and is on at any size under None. The runner does this (the engine owns its
+    model); off by default, since it changes the caller's module.
     triton_attn: attention through `vit_attention`'s CLS-aware Triton kernel where it has a config (`fast_mix`).
     """
 
@@ -399,6 +425,7 @@ class CompiledEncoder:
         fused_norm: bool = True,
         inplace_residual: bool | None = None,
         triton_attn: bool = True,
+        fold_in_place: bool = False,
     ) -> None:
         self.enc, self.dynamic, self.attn_backend, self.triton_attn = enc, dynamic, attn_backend, triton_attn
         self.gelu_epilogue, self.fused_norm = gelu_epilogue, fused_norm
@@ -409,9 +436,10 @@ class CompiledEncoder:
         opts = dict(**compile_kwargs(mode), dynamic=dynamic, fullgraph=True)
         lins = [m for layer in enc.vit.layers for m in (layer.attn.proj, layer.mlp.fc1, layer.mlp.fc2)]
         plain = all(type(m) is nn.Linear for m in lins)
+        if fold_in_place and plain:
+            fold_scales(enc, in_place=True)  # the layer scales into the weights: nothing left to copy
         if inplace_residual is None:  # auto: on where the folded copies are small
-            copies = (la.attn.proj.weight.nbytes + la.mlp.fc2.weight.nbytes for la in enc.vit.layers)
-            inplace_residual = plain and sum(copies) <= INPLACE_AUTO_MAX_BYTES
+            inplace_residual = plain and fold_copy_bytes(enc) <= INPLACE_AUTO_MAX_BYTES
         if inplace_residual and not plain:
             raise ValueError("inplace_residual needs plain Linear layers (not FP8)")
         self.inplace_residual = inplace_residual
