@@ -113,6 +113,14 @@ def test_fused_forward_equals_eager(vision) -> None:
     torch.testing.assert_close(got, ref, atol=ATOL, rtol=RTOL)
 
 
+def randomize_scales(enc) -> None:
+    """Layer scales and the proj / fc2 biases drawn away from 1 and 0, so folding them is tested."""
+    with torch.no_grad():
+        for layer in enc.vit.layers:
+            for p in (layer.ls1, layer.ls2, layer.attn.proj.bias, layer.mlp.fc2.bias):
+                p.copy_(0.5 * torch.randn_like(p))
+
+
 @pytest.mark.parametrize("vision", ["6b", "300m"])
 def test_inplace_residual_forward_equals_eager(vision) -> None:
     """The encoder through `fast_layer_inplace` (residuals added by the GEMM in place, layer scales folded into the
@@ -121,10 +129,7 @@ def test_inplace_residual_forward_equals_eager(vision) -> None:
     from batchvl.encoder.internvit_compiled import fast_forward_inplace, fold_scales
 
     enc, _ = build_pair(vision)
-    with torch.no_grad():
-        for layer in enc.vit.layers:
-            for p in (layer.ls1, layer.ls2, layer.attn.proj.bias, layer.mlp.fc2.bias):
-                p.copy_(0.5 * torch.randn_like(p))
+    randomize_scales(enc)
     px = torch.randn(3, 3, 112, 112)
     with torch.no_grad():
         ref = enc(px)
@@ -142,10 +147,7 @@ def test_fold_in_place_copies_nothing_and_keeps_the_function(monkeypatch) -> Non
     from batchvl.encoder import internvit_compiled
 
     enc, _ = build_pair("6b")
-    with torch.no_grad():
-        for layer in enc.vit.layers:
-            for p in (layer.ls1, layer.ls2, layer.attn.proj.bias, layer.mlp.fc2.bias):
-                p.copy_(0.5 * torch.randn_like(p))
+    randomize_scales(enc)
     px = torch.randn(2, 3, 112, 112)
     with torch.no_grad():
         ref = enc(px)
