@@ -178,9 +178,8 @@ def main() -> int:
             del hf, cu
             # the shared-prefix path: new tokens after a cached prefix (varlen over gathered keys)
             eng16 = Engine(fast, cfg, EngineConfig(prefix_cache=True, compile_llm=False), dev, torch.bfloat16)
-            ref_cfg = EngineConfig(
-                attn_backend="sdpa", compile_llm=False, last_layer_last_tokens=False
-            )  # plain
+            # the plain reference path: SDPA, eager layers, every layer over every token
+            ref_cfg = EngineConfig(attn_backend="sdpa", compile_llm=False, last_layer_last_tokens=False)
             eng32 = Engine(ref, cfg, ref_cfg, dev, torch.float32)
             img = [cfg.image_token_id] * (256 * 7)
             preqs = [Request(torch.tensor(list(range(100, 140)) + img + q.tolist()[:50]), pv.cpu(), "tiger")

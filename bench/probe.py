@@ -1557,7 +1557,7 @@ def tunab(tiles: int = 64) -> None:
                 fn = functools.partial(F.linear, a, w)
             with torch.inference_mode():
                 tuned(fn)
-                off, on = ab(lambda fn=fn: do_bench_ms(fn))
+                off, on = ab(lambda fn=fn: bench_ms(fn, DEV))
             res = tun.get_results()
             pick = "; ".join(str(r[2]) for r in res[seen:]) or "(no new result)"
             seen = len(res)
@@ -1680,12 +1680,6 @@ def howtimed() -> None:
         del ce, enc, px
         torch.cuda.empty_cache()
         torch._dynamo.reset()
-
-
-def do_bench_ms(fn) -> float:
-    from triton.testing import do_bench
-
-    return do_bench(fn, return_mode="median")
 
 
 if __name__ == "__main__":

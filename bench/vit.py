@@ -376,8 +376,7 @@ def run_model(name: str, args, dev: torch.device, dtype: torch.dtype, ceiling: f
         base, rows = {}, []
         with torch.no_grad():  # the floor's work as one forward, timed like the rows (see floor_sequence)
             fs = floor_sequence(enc, b, dev, dtype, backend)
-            fs(px)
-            sync(dev)
+            fs(px)  # warm-up; time_calls waits for it
             seq_s, _ = time_calls(fs, px, args.target_s, args.max_iters)
         del fs
         free_memory(dev)
