@@ -26,6 +26,8 @@
     python bench/probe.py shiftab # the compiled 300M with the old vs new shift-mode norm launch, interleaved
     python bench/probe.py tunab   # TunableOp: its solutions on CUDA, the ViT GEMMs and compiled encoders off vs on
     python bench/probe.py inplaceab  # the compiled 6B with residual_norm vs residuals in place, interleaved
+    python bench/probe.py qknormab   # the 6B's q/k RMSNorm: Inductor vs one Triton pass per part, alone and in
+                                     # the compiled encoder, interleaved
     python bench/probe.py howtimed   # one compiled encoder timed under no_grad / inference_mode / do_bench, by kind
     python bench/probe.py vitgraph  # the compiled encoders called as is vs replayed as a CUDA graph per bucket
     python bench/probe.py vithost   # host enqueue time of a compiled encoder forward vs its GPU time (16 / 64 tiles)
@@ -1591,11 +1593,11 @@ def tunab(tiles: int = 64) -> None:
         torch._dynamo.reset()
 
 
-def inplaceab(tiles: int = 64) -> None:
-    """The compiled 6B encoder with `residual_norm` (its default) vs residuals added in place by the GEMMs
-    (`inplace_residual`, the 300M's default), interleaved four times, ~3 s per timing, at today's row-pass
-    launch (session 13's s13a compared them before the shift-mode norm's 2048-column launch). Order A B B A per
-    pair of rounds, so a steady drift of the clocks weighs on both alike."""
+def _ab(names: tuple[str, str], kwargs: tuple[dict, dict], tiles: int = 64, rounds: int = 4) -> None:
+    """Two compiled 6B encoders (`CompiledEncoder(enc, **kwargs)` on one set of weights, folded in place as the
+    runner folds them) timed in turn, ~3 s per timing, order A B B A per pair of rounds so a steady drift of the
+    clocks weighs on both alike; one row: each side's tiles/s per round, the ratio of medians, their outputs'
+    relative difference."""
     import statistics
 
     from vit import time_calls
@@ -1604,33 +1606,56 @@ def inplaceab(tiles: int = 64) -> None:
 
     cfg = from_preset("internvl2_5-38b")
     enc = random_encoder(cfg, DEV, DT)
-    encs = {name: CompiledEncoder(enc, buckets=[tiles], inplace_residual=(name == "in place"))
-            for name in ("residual_norm", "in place")}  # fmt: skip
+    encs = {
+        n: CompiledEncoder(enc, buckets=[tiles], fold_in_place=True, **kw) for n, kw in zip(names, kwargs)
+    }
     px = torch.randn(tiles, 3, cfg.vision.image_size, cfg.vision.image_size, device=DEV, dtype=DT)
-    runs: dict[str, list[float]] = {name: [] for name in encs}
+    runs: dict[str, list[float]] = {n: [] for n in names}
     with torch.inference_mode():
-        outs = {name: ce(px) for name, ce in encs.items()}
-        err = float(
-            (outs["in place"].float() - outs["residual_norm"].float()).norm()
-            / outs["residual_norm"].float().norm()
-        )
-        names = list(encs)
-        for r in range(4):
-            for name in names if r % 2 == 0 else names[::-1]:
-                encs[name](px)
-                sec, _ = time_calls(encs[name], px, 3.0, 400)
-                runs[name].append(tiles / sec)
-    row(
-        "tiles",
-        "residual_norm tiles/s (4 runs)",
-        "in place tiles/s (4 runs)",
-        "in place / residual_norm",
-        "rel diff",
-    )
+        a, b = (encs[n](px).float() for n in names)
+        err = float((b - a).norm() / a.norm())
+        for r in range(rounds):
+            for n in names if r % 2 == 0 else names[::-1]:
+                encs[n](px)
+                sec, _ = time_calls(encs[n], px, 3.0, 400)
+                runs[n].append(tiles / sec)
+    row("tiles", f"{names[0]} tiles/s ({rounds} runs)", f"{names[1]} tiles/s ({rounds} runs)",
+        f"{names[1]} / {names[0]}", "rel diff")  # fmt: skip
     row(*["---"] * 5)
-    a, b = statistics.median(runs["residual_norm"]), statistics.median(runs["in place"])
-    row(tiles, " / ".join(f"{v:.2f}" for v in runs["residual_norm"]), " / ".join(f"{v:.2f}" for v in runs["in place"]),
-        f"{b / a:.4f}", f"{err:.1e}")  # fmt: skip
+    ma, mb = (statistics.median(runs[n]) for n in names)
+    row(tiles, *(" / ".join(f"{v:.2f}" for v in runs[n]) for n in names), f"{mb / ma:.4f}", f"{err:.1e}")
+
+
+def inplaceab(tiles: int = 64) -> None:
+    """The compiled 6B encoder with `residual_norm` vs residuals added in place by the GEMMs (`inplace_residual`),
+    interleaved (`_ab`; session 14, before the runner folded the layer scales in place: the weights are folded
+    here now, as the runner does)."""
+    _ab(("residual_norm", "in place"), ({"inplace_residual": False}, {"inplace_residual": True}), tiles)
+
+
+def qknormab(tiles: int = 64) -> None:
+    """The 6B's q/k RMSNorm as Inductor's reductions (`triton_attn=False`: the module's `mix`) vs `fused_norm.qk_norm`
+    (one Triton pass per part, `vit_attention_sdpa`): first the op alone against the compiled reference at 64 tiles'
+    qkv rows (do_bench medians, GB/s of its bytes, error vs fp32), then the compiled encoders interleaved (`_ab`)."""
+    from batchvl.encoder.fused_norm import qk_norm, qk_norm_reference
+
+    cfg = from_preset("internvl2_5-38b")
+    M, C = tiles * (cfg.vision.num_patches + 1), cfg.vision.hidden_size
+    qkv = torch.randn(M, 3 * C, device=DEV, dtype=DT)
+    wq, wk = (1 + 0.1 * torch.randn(C, device=DEV, dtype=DT) for _ in range(2))
+    ref = qk_norm_reference(qkv.float(), wq.float(), wk.float(), 1e-6)
+    inductor = torch.compile(qk_norm_reference)
+    gb = 4 * M * C * qkv.element_size() / 1e9  # q and k read once, written once
+    row(f"q/k RMSNorm, 6B, rows of [{M}, {3 * C}]", "ms", "GB/s", "rel err vs fp32")
+    row(*["---"] * 4)
+    for name, fn in (("Inductor (compiled reference)", inductor), ("qk_norm (Triton)", qk_norm)):
+        ms = bench_ms(lambda fn=fn, x=qkv: fn(x, wq, wk, 1e-6), DEV)
+        out = fn(qkv, wq, wk, 1e-6).float()
+        row(name, f"{ms:.3f}", f"{gb / ms * 1e3:.0f}", f"{float((out - ref).norm() / ref.norm()):.2e}")
+    del qkv, ref
+    torch.cuda.empty_cache()
+    print()
+    _ab(("Inductor qk-norm", "Triton qk-norm"), ({"triton_attn": False}, {"triton_attn": True}), tiles)
 
 
 def howtimed() -> None:
@@ -1690,6 +1715,7 @@ if __name__ == "__main__":
         "tunab": tunab,
         "howtimed": howtimed,
         "inplaceab": inplaceab,
+        "qknormab": qknormab,
         "passes": passes,
         "blas": blas,
         "vitattn": vitattn,

@@ -198,6 +198,38 @@ def test_shifted_norm_kernel_in_the_interpreter() -> None:
     _run_interpreted(code)
 
 
+def test_qk_norm_kernel_in_the_interpreter() -> None:
+    """The q/k RMSNorm (`qk_norm`: the kernel's shift mode with no shift, reading the q and k columns of the qkv rows
+    where they lie; TRITON_INTERPRET=1) = its reference = the norm modules on q and k: fp32 tightly, bf16 within 1e-2
+    by norm; a masked width, and qkv rows strided wider than 3C (columns of a larger buffer)."""
+    pytest.importorskip("triton")
+    code = textwrap.dedent(
+        """
+        import torch
+        from batchvl.encoder.fused_norm import qk_norm, qk_norm_reference
+        from batchvl.encoder.internvit import RMSNorm
+        torch.manual_seed(0)
+        for C, extra in ((100, 0), (64, 40)):
+            qkv = torch.randn(7, 3 * C + extra)[:, : 3 * C]  # row stride 3C + extra
+            norms = [RMSNorm(C, 1e-6) for _ in range(2)]
+            with torch.no_grad():
+                for n in norms:
+                    n.weight.copy_(1 + 0.1 * torch.randn(C))
+                want = torch.stack([n(qkv[:, i * C : (i + 1) * C]) for i, n in enumerate(norms)])
+            wq, wk = (n.weight.detach() for n in norms)
+            torch.testing.assert_close(qk_norm_reference(qkv, wq, wk, 1e-6), want)
+            got = qk_norm(qkv, wq, wk, 1e-6)
+            assert got.shape == (2, 7, C)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+            got = qk_norm(qkv.bfloat16(), wq.bfloat16(), wk.bfloat16(), 1e-6).float()
+            ref = qk_norm_reference(qkv.bfloat16().float(), wq.bfloat16().float(), wk.bfloat16().float(), 1e-6)
+            assert ((got - ref).norm() / ref.norm()).item() < 1e-2
+        print("ok")
+        """
+    )
+    _run_interpreted(code)
+
+
 def test_job_option_reaches_the_encoder() -> None:
     """`engine.vit_inplace_residual` builds the in-place encoder (and refuses FP8 layers with a clear error)."""
     import types

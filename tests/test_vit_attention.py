@@ -12,7 +12,12 @@ from test_bench import _run_interpreted
 from test_internvit import build_pair
 
 from batchvl.encoder.internvit_compiled import compile_encoder, fast_mix
-from batchvl.encoder.vit_attention import kernel_config, vit_attention, vit_attention_reference
+from batchvl.encoder.vit_attention import (
+    kernel_config,
+    vit_attention,
+    vit_attention_reference,
+    vit_attention_sdpa,
+)
 
 ATOL, RTOL = 1e-5, 1e-4
 
@@ -33,6 +38,7 @@ def test_reference_and_cpu_op_are_the_eager_mix(vision) -> None:
         assert kernel_config(qkv, T, H) is None  # CPU, fp32: never the kernel
         torch.testing.assert_close(vit_attention_reference(qkv, T, H, attn.head_dim**-0.5, *norm), want)
         torch.testing.assert_close(vit_attention(qkv, T, H, attn.head_dim**-0.5, *norm), want)
+        torch.testing.assert_close(vit_attention_sdpa(qkv, T, H, attn.head_dim**-0.5, *norm), want)
         torch.testing.assert_close(fast_mix(attn, h, True), want)
 
 
@@ -81,7 +87,8 @@ def test_kernel_in_the_interpreter() -> None:
 def test_encoder_through_the_kernel_in_the_interpreter() -> None:
     """The whole encoder with attention through the kernel (6B-style: qk-norm folded in; 300M-style: qkv bias),
     head_dim 64 at 16 x 16 patches (T = 257), equals the eager encoder in fp32; also with the residuals in place
-    (`fast_forward_inplace`, the 300M's default path)."""
+    (`fast_forward_inplace`, the 300M's default path). At head_dim 128 (no kernel config: the 6B's way) the same
+    through `vit_attention_sdpa`, its q/k RMSNorm in the Triton norm kernel."""
     pytest.importorskip("triton")
     code = textwrap.dedent(
         """
@@ -89,8 +96,8 @@ def test_encoder_through_the_kernel_in_the_interpreter() -> None:
         sys.path.insert(0, "tests")
         from test_internvit import build_pair
         from batchvl.encoder.internvit_compiled import fast_forward, fast_forward_inplace, fold_scales
-        for vision in ("6b", "300m"):
-            enc, _ = build_pair(vision, image_size=224, hidden=128, heads=2)
+        for vision, hidden in (("6b", 128), ("300m", 128), ("6b", 256)):
+            enc, _ = build_pair(vision, image_size=224, hidden=hidden, heads=2)
             px = torch.randn(2, 3, 224, 224)
             with torch.no_grad():
                 ref = enc(px)

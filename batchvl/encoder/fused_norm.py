@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from batchvl.encoder.internvit import rms_norm
+
 try:
     import triton
     import triton.language as tl
@@ -46,22 +48,21 @@ if triton is not None:
 
     @triton.jit
     def _residual_norm_kernel(
-        X, Y, BIAS, LS, W, NB, XO, HO, M, C, eps,
+        X, Y, BIAS, LS, W, NB, XO, HO, M, C, stride_x, eps,
         HAS_BIAS: tl.constexpr, HAS_NB: tl.constexpr, RMS: tl.constexpr, BLOCK_C: tl.constexpr,
-        SHIFT: tl.constexpr = False, ROWS: tl.constexpr = 1,
+        SHIFT: tl.constexpr = False, ROWS: tl.constexpr = 1, HAS_Y: tl.constexpr = True,
     ):  # fmt: skip
-        """ROWS rows per program. SHIFT: Y is one [C] vector added to every row (no bias, no layer scale), and
-        x + y is not stored."""
+        """ROWS rows per program; X's rows stride_x apart, the others' C. SHIFT: Y is one [C] vector added to every
+        row (none without HAS_Y; no bias, no layer scale), and x + y is not stored."""
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # [ROWS]
         cols = tl.arange(0, BLOCK_C)
         mc = cols < C
         m = (rows < M)[:, None] & mc[None, :]  # [ROWS, BLOCK_C]
         off = rows[:, None] * C + cols[None, :]
         if SHIFT:
-            x = (
-                tl.load(X + off, mask=m, other=0.0).to(tl.float32)
-                + tl.load(Y + cols, mask=mc, other=0.0)[None, :]
-            )
+            x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            if HAS_Y:
+                x = x + tl.load(Y + cols, mask=mc, other=0.0)[None, :]
         else:
             y = tl.load(Y + off, mask=m, other=0.0).to(tl.float32)
             if HAS_BIAS:
@@ -123,13 +124,14 @@ def _launch(
     x: Tensor, y: Tensor, bias, ls, w: Tensor, nb, xo: Tensor, ho: Tensor, eps: float, rms: bool, shift: bool,
     cfg: tuple[int, int] | None = None,
 ) -> None:  # fmt: skip
-    """`_residual_norm_kernel` over x [M, C] (cfg: (rows per program, warps); default `launch_config(C, shift)`)."""
+    """`_residual_norm_kernel` over x [M, C] (cfg: (rows per program, warps); default `launch_config(C, shift)`).
+    x's rows may be any stride apart in shift mode (columns contiguous); y None there: no shift."""
     M, C = x.shape
     rows, warps = cfg or launch_config(C, shift)
     _residual_norm_kernel[(triton.cdiv(M, rows),)](
-        x, y, bias if bias is not None else x, ls if ls is not None else x, w, nb if nb is not None else w, xo, ho,
-        M, C, eps, HAS_BIAS=bias is not None, HAS_NB=nb is not None, RMS=rms, BLOCK_C=triton.next_power_of_2(C),
-        SHIFT=shift, ROWS=rows, num_warps=warps,
+        x, y if y is not None else x, bias if bias is not None else x, ls if ls is not None else x, w,
+        nb if nb is not None else w, xo, ho, M, C, x.stride(0), eps, HAS_BIAS=bias is not None, HAS_NB=nb is not None,
+        RMS=rms, BLOCK_C=triton.next_power_of_2(C), SHIFT=shift, ROWS=rows, HAS_Y=y is not None, num_warps=warps,
     )  # fmt: skip
 
 
@@ -164,6 +166,33 @@ def shifted_norm(x: Tensor, shift: Tensor, w: Tensor, nb: Tensor | None, eps: fl
 @shifted_norm.register_fake
 def _(x, shift, w, nb, eps, rms):
     return torch.empty_like(x)
+
+
+def qk_norm_reference(qkv: Tensor, wq: Tensor, wk: Tensor, eps: float) -> Tensor:
+    """qkv [M, 3C] (q | k | v columns) -> [2, M, C]: the q and k columns each RMS-normalized over the full C, as
+    `internvit.rms_norm` computes them (fp32 sums, rounded, then times the weight)."""
+    C = qkv.shape[1] // 3
+    return torch.stack([rms_norm(qkv[:, i * C : (i + 1) * C], w, eps) for i, w in enumerate((wq, wk))])
+
+
+@torch.library.custom_op("batchvl::qk_norm", mutates_args=())
+def qk_norm(qkv: Tensor, wq: Tensor, wk: Tensor, eps: float) -> Tensor:
+    """`qk_norm_reference` as one shift-mode pass per part reading the qkv rows where they lie: one read of q and
+    k, one write of each (Inductor's reduction over 3200 columns is not persistent and reads each row twice)."""
+    M, C = qkv.shape[0], qkv.shape[1] // 3
+    if not _use_triton(qkv[:, :C]):
+        return qk_norm_reference(qkv, wq, wk, eps)
+    qkv = qkv if qkv.stride(1) == 1 else qkv.contiguous()
+    out = qkv.new_empty(2, M, C)
+    for i, w in enumerate((wq, wk)):
+        part = qkv[:, i * C : (i + 1) * C]
+        _launch(part, None, None, None, w, None, part, out[i], eps, True, shift=True)
+    return out
+
+
+@qk_norm.register_fake
+def _(qkv, wq, wk, eps):
+    return qkv.new_empty(2, qkv.shape[0], qkv.shape[1] // 3)
 
 
 @torch.library.custom_op("batchvl::addmm_into", mutates_args=("x",))

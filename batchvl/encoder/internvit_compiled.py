@@ -42,7 +42,7 @@ from batchvl.encoder.internvit import (
     VisionEncoder,
     vit_to_tokens,
 )
-from batchvl.encoder.vit_attention import kernel_config, vit_attention, vit_attention_reference
+from batchvl.encoder.vit_attention import kernel_config, vit_attention, vit_attention_sdpa
 
 # --------------------------------------------------------------------------- the fast forward (eager-callable)
 
@@ -88,7 +88,8 @@ def fast_mlp(mlp: InternViTMLP, x: Tensor) -> Tensor:
 def fast_mix(attn: InternViTAttention, h: Tensor, triton_attn: bool) -> Tensor:
     """attn.mix(h) as [B*T, C]. triton_attn: where `vit_attention`'s Triton kernel takes the shape (decided while
     tracing: device, dtype, head_dim, T), one call of it over the qkv rows (CLS-aware, qk-norm folded in); elsewhere
-    the same sums as `mix` (q/k RMSNorm for Inductor to fuse, then SDPA). Both read the q/k norms' weights, so they
+    the same sums as `mix` with the q/k RMSNorm as one Triton pass per part (`vit_attention_sdpa`), then SDPA;
+    without triton_attn `mix` itself (the norms for Inductor to fuse). Both read the q/k norms' weights, so they
     stand for plain `RMSNorm` modules only; other norms (e.g. split_overlap's ShardedRMSNorm, whose mean square is
     all-reduced over a TP group) keep the module's own `mix`."""
     B, T, C = h.shape
@@ -102,7 +103,7 @@ def fast_mix(attn: InternViTAttention, h: Tensor, triton_attn: bool) -> Tensor:
         if attn.qk_normalization
         else (None, None, 0.0)
     )
-    attend = vit_attention if kernel_config(qkv, T, H) is not None else vit_attention_reference
+    attend = vit_attention if kernel_config(qkv, T, H) is not None else vit_attention_sdpa
     return attend(qkv, T, H, attn.head_dim**-0.5, wq, wk, eps)
 
 
@@ -409,7 +410,8 @@ class CompiledEncoder:
     fold_in_place: fold the layer scales into `enc`'s own weights instead (mutates enc: `fold_scales(in_place=True)`),
     so the in-place path copies nothing and is on at any size under None. The runner does this (the engine owns its
     model); off by default, since it changes the caller's module.
-    triton_attn: attention through `vit_attention`'s CLS-aware Triton kernel where it has a config (`fast_mix`).
+    triton_attn: attention through `vit_attention`'s CLS-aware Triton kernel where it has a config (the 300M), else
+    SDPA after a Triton q/k RMSNorm (the 6B) (`fast_mix`).
     """
 
     def __init__(

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from batchvl.encoder.fused_norm import triton_interpreting
+from batchvl.encoder.fused_norm import qk_norm, triton_interpreting
 from batchvl.encoder.internvit import rms_norm
 
 try:
@@ -46,13 +46,30 @@ def vit_attention_reference(
     """qkv [B*T, 3C] (q | k | v columns) -> heads' outputs [B*T, C], as `InternViTAttention.mix` computes them.
     Kept beside `mix` rather than shared: `mix` calls its norm modules (TP swaps in sharded ones), this takes weights."""
     M, C3 = qkv.shape
-    B, C = M // T, C3 // 3
-    q, k, v = qkv.reshape(B, T, C3).chunk(3, dim=-1)  # 3 x [B, T, C]
+    q, k, v = qkv.reshape(M // T, T, C3).chunk(3, dim=-1)  # 3 x [B, T, C]
     if wq is not None:
         q, k = rms_norm(q, wq, eps), rms_norm(k, wk, eps)
+    return sdpa_heads(q, k, v, H, scale)
+
+
+def vit_attention_sdpa(
+    qkv: Tensor, T: int, H: int, scale: float, wq: Tensor | None, wk: Tensor | None, eps: float
+) -> Tensor:
+    """`vit_attention_reference` with the q/k RMSNorm as `fused_norm.qk_norm` (one Triton pass per part on CUDA,
+    the reference's sums elsewhere), then SDPA: the path where `vit_attention` has no config (the 6B)."""
+    if wq is None:
+        return vit_attention_reference(qkv, T, H, scale, wq, wk, eps)
+    M, C3 = qkv.shape
+    q, k = qk_norm(qkv, wq, wk, eps).view(2, M // T, T, C3 // 3)  # 2 x [B, T, C]
+    return sdpa_heads(q, k, qkv.reshape(M // T, T, C3)[..., 2 * C3 // 3 :], H, scale)
+
+
+def sdpa_heads(q: Tensor, k: Tensor, v: Tensor, H: int, scale: float) -> Tensor:
+    """q, k, v [B, T, C] (any row strides) -> SDPA over H heads -> [B*T, C]."""
+    B, T, C = q.shape
     q, k, v = (t.reshape(B, T, H, C // H).transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
     o = F.scaled_dot_product_attention(q, k, v, scale=scale)  # [B, H, T, D]
-    return o.transpose(1, 2).reshape(M, C)
+    return o.transpose(1, 2).reshape(B * T, C)
 
 
 INTERPRET = triton_interpreting()  # read once: `kernel_config` also runs while Dynamo traces
