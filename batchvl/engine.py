@@ -70,7 +70,7 @@ class EngineConfig:
     # <= 1 GiB, which the runner's model always meets: it folds the layer scales into its own proj / fc2 weights
     # (`CompiledEncoder(fold_in_place=True)`), so nothing is copied
     vit_inplace_residual: bool | None = None
-    vit_triton_attention: bool = True  # compiled ViT: CLS-aware Triton attention where it has a config (300M)
+    vit_triton_attention: bool = True  # compiled ViT: Triton attention (300M); Triton q/k norm + SDPA (6B)
     vit_fp8: bool = False  # ViT linears in FP8 e4m3 (encoder/fp8.py): opt-in, less accurate, tp 1 only
     compile_llm: bool | None = None  # regional torch.compile of the decoder layers; None: on CUDA only
     overlap_vit: bool = False  # run a batch's ViT on a side stream under the previous batch's decode (CUDA)

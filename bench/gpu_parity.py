@@ -114,8 +114,9 @@ def main() -> int:
                     name = name.replace(") bf16", ", fused residual norm) bf16") if fused else name
                     rows.append((preset, name, rel(fc.reshape(f32.shape), f32)))
                 # the default, as the runner builds it: attention through the CLS-aware Triton kernel where it has
-                # a config (head_dim 64: the 8B's 300M; the 6B keeps cuDNN), the layer scales folded into the
-                # weights (on a copy: the runner mutates its own model) and the residuals added in place
+                # a config (head_dim 64: the 8B's 300M; the 6B: its q/k RMSNorm in Triton, then cuDNN), the layer
+                # scales folded into the weights (on a copy: the runner mutates its own model) and the residuals
+                # added in place
                 ce_default = compile_encoder(
                     copy.deepcopy(fast.vision), attn_backend="cudnn", gelu_epilogue=True, fold_in_place=True
                 )

@@ -5,6 +5,9 @@ kernel ran at 175-192 us per call for the 300M encoder (bench/RESULTS.md, sessio
 sums compiled alone, so here it is one Triton pass over whole rows (one or a few rows per program, `launch_config`):
 read y and x once, write x_new and h once.
 
+The same kernel's shift mode with no shift is the 6B's q/k RMSNorm (`qk_norm`): it reads the q and k columns of the
+qkv rows where they lie (a row stride of 3C) and writes each normalized part once.
+
 Registered with `torch.library` plus a fake implementation, so a compiled layer traces it as one opaque node; off
 CUDA (or without Triton) the same op runs `residual_norm_reference`, the eager layer's sums.
 Numerics: the norm reads x_new's fp32 sum, before it is rounded to the activation dtype for storage (as Inductor's
