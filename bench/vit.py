@@ -414,9 +414,8 @@ def run_model(name: str, args, dev: torch.device, dtype: torch.dtype, ceiling: f
             rows.append(row)
             print(f"{name:>6} {b:4d} {vname:>17}: {tps:8.2f} tiles/s  x{row['x_floor']:.3f} floor  "
                   f"MFU {row['mfu']:.1%}  peak {row['peak_gib']:.1f} GiB", flush=True)  # fmt: skip
-        for rnd in range(
-            1, args.rounds
-        ):  # the do_bench floor and ours again, in turn (the floor drifts most)
+        # --rounds: the do_bench floor and ours again, in turn (the floor drifts most)
+        for rnd in range(1, args.rounds):
             fl = floor_ms(cfg, b, dev, dtype)
             free_memory(dev)
             with torch.no_grad():
