@@ -414,26 +414,19 @@ def run_model(name: str, args, dev: torch.device, dtype: torch.dtype, ceiling: f
             rows.append(row)
             print(f"{name:>6} {b:4d} {vname:>17}: {tps:8.2f} tiles/s  x{row['x_floor']:.3f} floor  "
                   f"MFU {row['mfu']:.1%}  peak {row['peak_gib']:.1f} GiB", flush=True)  # fmt: skip
-        # --rounds: the do_bench floor and ours again, in turn (the floor drifts most)
-        for rnd in range(1, args.rounds):
-            fl = floor_ms(cfg, b, dev, dtype)
-            free_memory(dev)
-            with torch.no_grad():
-                ce(px)  # warm-up; time_calls waits for it
-                sec, _ = time_calls(ce, px, args.target_s, args.max_iters)
-            rep.meta.setdefault("rounds", []).append(
-                dict(
-                    model=name,
-                    tiles=b,
-                    round=rnd,
-                    floor_tiles_per_s=b / (fl["total_ms"] * 1e-3),
-                    tiles_per_s=b / sec,
-                )
-            )
+        # --rounds: the do_bench floor and ours again, in turn (the floor drifts most); round 0 is the rows' reading
         if args.rounds > 1:
             first = next(r for r in rows if r["variant"] == "ours-compiled")
-            rep.meta["rounds"].append(dict(model=name, tiles=b, round=0, floor_tiles_per_s=first["floor_tiles_per_s"],
-                                           tiles_per_s=first["tiles_per_s"]))  # fmt: skip
+            floor_tps, ours_tps = [first["floor_tiles_per_s"]], [first["tiles_per_s"]]
+            for _ in range(1, args.rounds):
+                floor_tps.append(b / (floor_ms(cfg, b, dev, dtype)["total_ms"] * 1e-3))
+                free_memory(dev)
+                with torch.no_grad():
+                    ce(px)  # warm-up; time_calls waits for it
+                    ours_tps.append(b / time_calls(ce, px, args.target_s, args.max_iters)[0])
+            rep.meta.setdefault("rounds", []).append(
+                dict(model=name, tiles=b, floor_tiles_per_s=floor_tps, tiles_per_s=ours_tps)
+            )
         for r in rows:
             r["x_hf"] = r["tiles_per_s"] / base["hf-sdpa"] if "hf-sdpa" in base else None
             r["x_hf_compiled"] = (
@@ -485,15 +478,11 @@ def rounds_table(rounds: list[dict]) -> str:
     out = ["ours-compiled against the do_bench floor, read in turn (round 0: the table above)", "",
            "| model | tiles | floor tiles/s by round | ours tiles/s by round | x floor by round | median x floor |",
            "|---|---:|---|---|---|---:|"]  # fmt: skip
-    for key in dict.fromkeys((r["model"], r["tiles"]) for r in rounds):
-        rs = sorted((r for r in rounds if (r["model"], r["tiles"]) == key), key=lambda r: r["round"])
-        floor, ours = [r["floor_tiles_per_s"] for r in rs], [r["tiles_per_s"] for r in rs]
-        x = [o / f for o, f in zip(ours, floor)]
-        cells = [
-            " / ".join(format(v, spec) for v in vs)
-            for vs, spec in ((floor, ".2f"), (ours, ".2f"), (x, ".3f"))
-        ]
-        out.append(f"| {key[0]} | {key[1]} | {' | '.join(cells)} | {statistics.median(x):.3f} |")
+    for r in rounds:
+        x = [o / f for o, f in zip(r["tiles_per_s"], r["floor_tiles_per_s"])]
+        cells = [" / ".join(format(v, spec) for v in vs)
+                 for vs, spec in ((r["floor_tiles_per_s"], ".2f"), (r["tiles_per_s"], ".2f"), (x, ".3f"))]  # fmt: skip
+        out.append(f"| {r['model']} | {r['tiles']} | {' | '.join(cells)} | {statistics.median(x):.3f} |")
     return "\n".join(out)
 
 
