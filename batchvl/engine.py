@@ -1,8 +1,8 @@
 """The engine: one batch of prepared requests in, generated tokens and stage times out.
 
-The pipeline (jobs, queues, Parquet) talks to the model only through `Engine.run_batch`:
-ViT (with an optional image-embedding cache) -> packed varlen prefill (with an optional shared-prefix KV cache)
--> batched decode against a per-batch KV cache.
+The pipeline talks to the model only through `Engine.run_batch`: ViT (with an optional image-embedding cache) ->
+packed varlen prefill (with an optional shared-prefix KV cache) -> batched decode against the batch's KV cache.
+It takes a model ready to serve (`model.build.build_model`) and never changes it.
 """
 
 from __future__ import annotations
@@ -15,13 +15,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from batchvl.llm.attention import PER_SEQ_MIN_MEAN, AttnMeta, warm_per_seq
-from batchvl.llm.decode_attention import kernel_runs as decode_kernel_runs
+from batchvl.config import InternVLConfig
+from batchvl.job import EngineSpec
 from batchvl.llm.decode_step import DecodeStep, round_up
 from batchvl.llm.kv_cache import KVArena, KVCache
 from batchvl.llm.sampling import sample
-from batchvl.model.config import InternVLConfig
 from batchvl.model.internvl import InternVL
+from batchvl.ops.decode_attention import kernel_runs as decode_kernel_runs
+from batchvl.ops.prefill_attention import AttnMeta, prefill_backend
 
 
 @dataclass
@@ -54,62 +55,8 @@ class BatchResult:
     stats: dict = field(default_factory=dict)  # per-request lists: cache_hit_image, cached_prefix_tokens
 
 
-@dataclass
-class EngineConfig:
-    max_prefill_tokens: int = 16384
-    max_vit_tiles: int = 64
-    image_cache: bool = False
-    image_cache_entries: int = 64
-    prefix_cache: bool = False
-    prefix_cache_entries: int = 8
-    compile_vit: bool = True
-    vit_compile_mode: str = "default"  # or "tuned" (long jobs), "max-autotune-no-cudagraphs"
-    vit_gelu_epilogue: bool = True  # compiled ViT: fc1 + GELU as one cuBLASLt GEMM (+3% 6B, +8% 300M on H200)
-    vit_fused_norm: bool = True  # compiled ViT: residual + layer scale + norm, one Triton pass (+2-3%, H200)
-    # compiled ViT: residuals added in place by the GEMMs (+1.2-1.4%); None: on where the folded weight copies take
-    # <= 1 GiB, which the runner's model always meets: it folds the layer scales into its own proj / fc2 weights
-    # (`CompiledEncoder(fold_in_place=True)`), so nothing is copied
-    vit_inplace_residual: bool | None = None
-    vit_triton_attention: bool = True  # compiled ViT: Triton attention (300M); Triton q/k norm + SDPA (6B)
-    vit_fp8: bool = False  # ViT linears in FP8 e4m3 (encoder/fp8.py): opt-in, less accurate, tp 1 only
-    compile_llm: bool | None = None  # regional torch.compile of the decoder layers; None: on CUDA only
-    overlap_vit: bool = False  # run a batch's ViT on a side stream under the previous batch's decode (CUDA)
-    cuda_graphs: bool = True  # decode steps replayed from CUDA graphs (CUDA only; rows padded to 8)
-    vit_mode: str = "auto"
-    vit_splits: int = 2
-    # LLM prefill: "auto" | "sdpa" | "varlen" | "cudnn" (per-sequence SDPA); auto: cuDNN per sequence on Hopper
-    # when a batch's sequences average >= PER_SEQ_MIN_MEAN tokens, else flash varlen (CUDA) or sdpa
-    attn_backend: str = "auto"
-    # prefill: the last decoder layer's attention output, residuals and MLP for each sequence's last token only (its
-    # k / v for all tokens); nothing else reads them (`Decoder.forward(last=...)`)
-    last_layer_last_tokens: bool = True
-
-
-@dataclass
-class Encoded:
-    """The ViT work of one batch, possibly still running on a side stream until `done`."""
-
-    feats: list  # per request: [tiles*256, hidden] or None
-    hits: list[bool]
-    timer: _Timer
-    done: torch.cuda.Event | None
-
-
-@dataclass
-class Pending:
-    """A prefilled batch waiting for its decode steps."""
-
-    sampling: Sampling
-    cache: KVCache | None
-    tok: torch.Tensor  # [cache rows] last token of each row (padding rows: 0)
-    lens: torch.Tensor  # [cache rows] tokens in the cache of each row (padding rows: 0)
-    max_len: int  # the largest of `lens`, on the host
-    gen: torch.Generator | None
-    out: list[list[int]]
-    first_token_s: float
-    encoded: Encoded
-    t_prefill: _Timer
-    stats: dict
+IMAGE_CACHE_ENTRIES = 64  # images' features kept by the image cache
+PREFIX_CACHE_ENTRIES = 8  # prefixes' KV kept by the prefix cache
 
 
 class _Timer:
@@ -139,8 +86,11 @@ class _Timer:
         return self.ms
 
 
-def packed_meta(lengths: list[int], prefix_lens: list[int], device) -> tuple[torch.Tensor, AttnMeta]:
-    """Positions [T] and attention metadata for sequences of `lengths` new tokens after `prefix_lens`."""
+def packed_meta(
+    lengths: list[int], prefix_lens: list[int], device, backend: str = "sdpa"
+) -> tuple[torch.Tensor, AttnMeta]:
+    """Positions [T] and attention metadata for sequences of `lengths` new tokens after `prefix_lens`; `backend`:
+    the prefill attention (`prefill_backend`)."""
     new = torch.tensor(lengths, dtype=torch.int64)
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     cu[1:] = new.cumsum(0)
@@ -153,6 +103,7 @@ def packed_meta(lengths: list[int], prefix_lens: list[int], device) -> tuple[tor
         slot_b=rows.to(device),
         slot_pos=pos.to(device),
         prefix_lens=prefix_lens if any(prefix_lens) else None,
+        backend=backend,
     )
     if any(prefix_lens):  # keys = cached prefix + new tokens of each sequence
         total = [p + n for p, n in zip(prefix_lens, lengths, strict=True)]
@@ -169,52 +120,30 @@ class Engine:
         self,
         model: InternVL,
         cfg: InternVLConfig,
-        engine_cfg: EngineConfig | None = None,
+        settings: EngineSpec | None = None,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         eos_token_ids: tuple[int, ...] = (),
         encode_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ):
-        self.model, self.cfg, self.ecfg = model, cfg, engine_cfg or EngineConfig()
+        self.model, self.cfg, self.settings = model, cfg, settings or EngineSpec()
         self.device, self.dtype = torch.device(device), dtype
         self.eos = tuple(eos_token_ids)
         self.encode_fn = encode_fn or model.vision  # [tiles,3,S,S] -> [tiles, 256, hidden]
         self.image_cache: OrderedDict[str, torch.Tensor] = OrderedDict()
         self.prefix_cache: OrderedDict[str, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
-        self.side: torch.cuda.Stream | None = None  # where the ViT runs under the previous batch's decode
         self.counters = {"image_cache_hits": 0, "prefix_cache_hits": 0, "prefix_tokens_reused": 0}
-        c = cfg.llm
-        n_kv = self._n_kv()
+        attn = model.llm.layers[0].attn  # this rank's heads, under tensor parallelism
+        self.all_heads = attn.n_heads == cfg.llm.num_heads
         # each batch's KV view cleared only where the decode attention reads every slot (its reference path)
-        heads = model.llm.layers[0].attn.n_heads  # this rank's, under tensor parallelism
-        fast_decode = decode_kernel_runs(self.device, dtype, heads, n_kv, c.head_dim)
-        self.arena = KVArena(c.num_layers, n_kv, c.head_dim, self.device, dtype, clear=not fast_decode)
-        graphs = self.ecfg.cuda_graphs and self.device.type == "cuda"
+        fast_decode = decode_kernel_runs(self.device, dtype, attn.n_heads, attn.n_kv, cfg.llm.head_dim)
+        self.arena = KVArena(
+            cfg.llm.num_layers, attn.n_kv, cfg.llm.head_dim, self.device, dtype, clear=not fast_decode
+        )
+        graphs = not self.settings.eager and self.device.type == "cuda"
         self.decode_step = DecodeStep(model.llm, graphs=graphs)
         # a graph per cache shape: pad rows and lengths so that a long job sees a handful of shapes
         self.row_multiple, self.len_multiple = (8, 128) if graphs else (1, 1)
-        # None: on CUDA (measured at 38B on an H200: prefill +20%, decode step -26%); on CPU it only costs time
-        compile_llm = self.ecfg.compile_llm
-        if compile_llm is None:
-            compile_llm = self.device.type == "cuda"
-        # "auto" prefill attention: per-sequence cuDNN where measured faster (Hopper, long sequences, all heads on
-        # one GPU), else varlen. Not under tensor parallelism: each call would carry a quarter of the work for the
-        # same host cost, unmeasured.
-        self.cudnn_prefill = (
-            self.ecfg.attn_backend == "auto"
-            and model.llm.layers[0].attn.n_heads == cfg.llm.num_heads
-            and self.device.type == "cuda"
-            and torch.backends.cudnn.is_available()
-            and torch.cuda.get_device_capability(self.device)[0] == 9
-        )
-        if self.device.type == "cuda":
-            model.llm.pad_vocab()  # aligned logits rows: cuBLAS's fast kernels for lm_head (Decoder.pad_vocab)
-        for layer in model.llm.layers:
-            layer.attn.backend = self.ecfg.attn_backend
-            if compile_llm and getattr(layer, "_compiled_call_impl", None) is None:
-                layer.compile(dynamic=True)  # one graph, reused by every layer (parameters are inputs)
-        if compile_llm and self.ecfg.last_layer_last_tokens and model.llm.compiled_last is None:
-            model.llm.compiled_last = torch.compile(model.llm.layers[-1].forward_last, dynamic=True)
 
     def batch_bytes(self, max_tokens: int, max_new_tokens: int) -> int:
         """Rough peak device memory of one batch of `max_tokens` prompt tokens: its KV cache plus the largest
@@ -224,7 +153,10 @@ class Engine:
         kv_all = kv * (max_tokens + max_tokens // 64 * max_new_tokens)  # decode room; rows are padded too
         llm_act = max_tokens * (3 * c.intermediate_size + 6 * c.hidden_size) * el
         vit_act = (
-            self.ecfg.max_vit_tiles * (v.num_patches + 1) * (2 * v.intermediate_size + 6 * v.hidden_size) * el
+            self.settings.max_vit_tiles
+            * (v.num_patches + 1)
+            * (2 * v.intermediate_size + 6 * v.hidden_size)
+            * el
         )
         return kv_all + max(llm_act, vit_act)
 
@@ -250,12 +182,12 @@ class Engine:
             [t.to(self.device, non_blocking=True) for t in tiles]
         )  # cat on the device, not the host
         px = px.to(self.dtype)
-        step = self.ecfg.max_vit_tiles
+        step = self.settings.max_vit_tiles
         return torch.cat([self.encode_fn(px[i : i + step]) for i in range(0, px.shape[0], step)])
 
     def encode(self, requests: list[Request]) -> tuple[list[torch.Tensor | None], list[bool]]:
         """Image features per request, [tiles*256, hidden] or None; and whether each came from the cache."""
-        use_cache = self.ecfg.image_cache
+        use_cache = self.settings.image_cache
         feats: list[torch.Tensor | None] = [None] * len(requests)
         hits = [False] * len(requests)
         todo: dict[str, list[int]] = {}
@@ -284,7 +216,7 @@ class Engine:
                     feats[i] = f
                 if use_cache and not k.startswith("#"):
                     self.image_cache[k] = f.clone()  # not a view: it would keep the batch's features alive
-                    while len(self.image_cache) > self.ecfg.image_cache_entries:
+                    while len(self.image_cache) > IMAGE_CACHE_ENTRIES:
                         self.image_cache.popitem(last=False)
         return feats, hits
 
@@ -306,7 +238,7 @@ class Engine:
         for row, (key, t, _) in enumerate(items):
             p = t.shape[0]
             self.prefix_cache[key] = cache.prefix(row, p)
-            while len(self.prefix_cache) > self.ecfg.prefix_cache_entries:
+            while len(self.prefix_cache) > PREFIX_CACHE_ENTRIES:
                 self.prefix_cache.popitem(last=False)
 
     # ---- LLM -------------------------------------------------------------------------------------------------
@@ -330,12 +262,13 @@ class Engine:
         flat = torch.cat(ids).to(self.device, non_blocking=True)
         img = [f for f in feats if f is not None]
         h = self.model.embed(flat, torch.cat(img, 0) if img else None)
-        pos, meta = packed_meta(lengths, prefix_lens, self.device)
-        meta.per_seq = self.cudnn_prefill and sum(lengths) >= PER_SEQ_MIN_MEAN * len(lengths)
-        last = meta.cu_seqlens[1:].long() - 1  # only last tokens go through lm_head
-        if self.ecfg.last_layer_last_tokens:  # and through the last layer's attention output and MLP
-            return llm.logits(llm(h, pos, meta, cache, max_position=longest - 1, last=last)), cache
-        return llm.logits(llm(h, pos, meta, cache, max_position=longest - 1)[last]), cache
+        backend = prefill_backend(
+            self.device, self.dtype, c.head_dim, lengths, any(prefix_lens), self.all_heads
+        )
+        pos, meta = packed_meta(lengths, prefix_lens, self.device, backend)
+        # only last tokens go through the last layer's attention output and MLP, and through lm_head
+        last = meta.cu_seqlens[1:].long() - 1
+        return llm.logits(llm(h, pos, meta, cache, max_position=longest - 1, last=last)), cache
 
     def _arena_shape(self, rows: int, max_len: int) -> tuple[int, int]:
         """A batch's KV-cache shape in the arena: rows and length padded so decode graphs repeat."""
@@ -344,114 +277,64 @@ class Engine:
     def _n_kv(self) -> int:
         return self.model.llm.layers[0].attn.n_kv
 
-    # ---- one batch: ViT (can run under the previous batch's decode), prefill, decode ------------------------
+    # ---- one batch: ViT, prefill, decode ---------------------------------------------------------------------
     @torch.inference_mode()
-    def encode_async(self, requests: list[Request]) -> Encoded:
-        """Start the ViT for `requests`. On CUDA it runs on a side stream, so it can overlap the decode of the
-        batch before; `prefill` waits for it on the device, not on the host."""
-        if self.device.type != "cuda" or not self.ecfg.overlap_vit:
-            with _Timer(self.device) as t:
-                feats, hits = self.encode(requests)
-            return Encoded(feats, hits, t, None)
-        main = torch.cuda.current_stream(self.device)
-        if self.side is None:
-            self.side = torch.cuda.Stream(self.device)
-        self.side.wait_stream(main)
-        with torch.cuda.stream(self.side):
-            with _Timer(self.device) as t:
-                feats, hits = self.encode(requests)
-            done = torch.cuda.Event()
-            done.record(self.side)
-        for f in feats:
-            if f is not None:
-                f.record_stream(main)  # used (and maybe cached) on the main stream
-        return Encoded(feats, hits, t, done)
-
-    @torch.inference_mode()
-    def prefill(self, requests: list[Request], sampling: Sampling, encoded: Encoded | None = None) -> Pending:
-        """ViT (unless started already) + packed prefill + the first token of every request."""
+    def run_batch(self, requests: list[Request], s: Sampling) -> BatchResult:
+        """ViT -> packed prefill -> decode for one batch."""
         dev = self.device
-        encoded = encoded or self.encode_async(requests)
-        if encoded.done is not None:
-            torch.cuda.current_stream(dev).wait_event(encoded.done)
-        feats = encoded.feats
+        with _Timer(dev) as t_vit:
+            feats, hits = self.encode(requests)
         prefix_lens = [0] * len(requests)
         prefixes: list | None = None
         ids = [r.input_ids for r in requests]
         with _Timer(dev) as t_pre:
-            if self.ecfg.prefix_cache:
+            if self.settings.prefix_cache:
                 ids, feats, prefix_lens, prefixes = self._use_prefix_cache(requests, feats)
-            logits, cache = self._prefill(ids, feats, prefix_lens, prefixes, extra=sampling.max_new_tokens)
-            gen = torch.Generator(device=dev).manual_seed(sampling.seed) if sampling.temperature > 0 else None
-            tok = sample(logits, sampling.temperature, sampling.top_p, gen)
-        first = tok.tolist()
+            logits, cache = self._prefill(ids, feats, prefix_lens, prefixes, extra=s.max_new_tokens)
+            gen = torch.Generator(device=dev).manual_seed(s.seed) if s.temperature > 0 else None
+            tok = sample(logits, s.temperature, s.top_p, gen)
+        out = [[t] for t in tok.tolist()]
+        first_token_s = time.perf_counter()
         lens = [p + int(t.shape[0]) for p, t in zip(prefix_lens, ids, strict=True)]
-        pad = cache.rows - len(lens)  # the cache's padding rows decode a dummy token at position 0
-        tok = torch.cat([tok, tok.new_zeros(pad)])
-        lens_t = torch.tensor(lens + [0] * pad, device=dev)
-        return Pending(sampling, cache, tok, lens_t, max(lens), gen, [[t] for t in first], time.perf_counter(),
-                       encoded, t_pre, {"cache_hit_image": encoded.hits, "cached_prefix_tokens": prefix_lens})  # fmt: skip
-
-    @torch.inference_mode()
-    def warm_decode(self, batches: list[tuple[int, int]], max_new_tokens: int) -> int:
-        """Capture the decode-step graphs for batches of (requests, longest prompt) ahead of time, largest cache
-        first so the KV arena is allocated once and every later batch views the same buffers; returns how many
-        graphs were captured (0 without CUDA graphs). For a timed run that should not include one-time costs."""
-        if not self.decode_step.graphs:
-            return 0
-        before = self.decode_step.captures
-        shapes = {self._arena_shape(n, longest + max_new_tokens) for n, longest in batches}
-        for rows, max_len in sorted(shapes, key=lambda rl: -rl[0] * rl[1]):
-            zeros = torch.zeros(rows, dtype=torch.long, device=self.device)  # token 0 at position 0: scratch
-            self.decode_step(zeros, zeros.clone(), self.arena.cache(rows, max_len))
-        return self.decode_step.captures - before
-
-    @torch.inference_mode()
-    def warm_prefill_attention(self, lengths: list[int]) -> int:
-        """With the per-sequence cuDNN prefill (`attn_backend: cudnn`, or "auto" on Hopper), visit every attention
-        window those prompt lengths map to, so cuDNN builds its execution plans before a timed run; returns how
-        many windows (0 where the prefill never takes that path)."""
-        attn = self.model.llm.layers[0].attn  # heads of this rank (tensor parallel shards them)
-        if attn.backend != "cudnn" and not self.cudnn_prefill:
-            return 0
-        return warm_per_seq(lengths, attn.n_heads, attn.n_kv, attn.head_dim, self.device, self.dtype)
-
-    @torch.inference_mode()
-    def decode(self, p: Pending) -> BatchResult:
-        """The remaining tokens of a prefilled batch, all requests together."""
-        dev, s, out, tok, lens = self.device, p.sampling, p.out, p.tok, p.lens
-        stops = set(s.stop_token_ids) | (set() if s.ignore_eos else set(self.eos))
-        done = [o[0] in stops for o in out]
-        done_s = [p.first_token_s if d else None for d in done]  # when each request got its last token
-        n = len(out)
-        real = (torch.arange(lens.shape[0], device=dev) < n).long()  # 1 for requests, 0 for padding rows
         try:
             with _Timer(dev) as t_dec:
-                for step in range(s.max_new_tokens - 1):
-                    if all(done):
-                        break
-                    self.model.llm.check_position(p.max_len + step)
-                    logits = self.decode_step(tok, lens, p.cache)  # [rows, V]; rows past n are padding
-                    new = sample(logits[:n], s.temperature, s.top_p, p.gen)
-                    tok = torch.cat([new, tok[n:]])
-                    lens = lens + real
-                    now = None
-                    for b, t in enumerate(new.tolist()):
-                        if not done[b]:
-                            out[b].append(t)
-                            done[b] = t in stops
-                            if done[b]:
-                                done_s[b] = now = now or time.perf_counter()
+                done_s = self._decode(cache, tok, lens, out, s, gen, first_token_s)
         finally:
-            p.cache = None  # free the batch's KV cache, also when a step failed
+            del cache  # free the batch's KV cache, also when a step failed
         end_s = time.perf_counter()
-        stats = {**p.stats, "done_s": [d if d is not None else end_s for d in done_s]}
-        vit_ms = p.encoded.timer.elapsed()
-        return BatchResult(out, vit_ms, p.t_prefill.elapsed(), t_dec.elapsed(), p.first_token_s, end_s, stats)
+        stats = {"cache_hit_image": hits, "cached_prefix_tokens": prefix_lens,
+                 "done_s": [d if d is not None else end_s for d in done_s]}  # fmt: skip
+        return BatchResult(
+            out, t_vit.elapsed(), t_pre.elapsed(), t_dec.elapsed(), first_token_s, end_s, stats
+        )
 
-    def run_batch(self, requests: list[Request], sampling: Sampling) -> BatchResult:
-        """ViT -> packed prefill -> decode for one batch."""
-        return self.decode(self.prefill(requests, sampling))
+    def _decode(self, cache: KVCache, tok: torch.Tensor, lens: list[int], out: list[list[int]], s: Sampling,
+                gen: torch.Generator | None, first_token_s: float) -> list[float | None]:  # fmt: skip
+        """The remaining tokens of every request, appended to `out`; returns when each request got its last token."""
+        dev, n = self.device, len(out)
+        stops = set(s.stop_token_ids) | (set() if s.ignore_eos else set(self.eos))
+        done = [o[0] in stops for o in out]
+        done_s = [first_token_s if d else None for d in done]
+        pad = cache.rows - n  # the cache's padding rows decode a dummy token at position 0
+        tok = torch.cat([tok, tok.new_zeros(pad)])
+        lens_t = torch.tensor(lens + [0] * pad, device=dev)
+        real = (torch.arange(cache.rows, device=dev) < n).long()  # 1 for requests, 0 for padding rows
+        for step in range(s.max_new_tokens - 1):
+            if all(done):
+                break
+            self.model.llm.check_position(max(lens) + step)
+            logits = self.decode_step(tok, lens_t, cache)  # [rows, V]; rows past n are padding
+            new = sample(logits[:n], s.temperature, s.top_p, gen)
+            tok = torch.cat([new, tok[n:]])
+            lens_t = lens_t + real
+            now = None
+            for b, t in enumerate(new.tolist()):
+                if not done[b]:
+                    out[b].append(t)
+                    done[b] = t in stops
+                    if done[b]:
+                        done_s[b] = now = now or time.perf_counter()
+        return done_s
 
     def _use_prefix_cache(self, requests: list[Request], feats: list):
         """Split each request into a cached prefix (filled on first sight) and the new tokens after it."""

@@ -15,9 +15,6 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
-# the ViT compile modes a job may name (kept here, without importing torch: = internvit_compiled.COMPILE_MODES)
-VIT_COMPILE_MODES = ("default", "tuned", "multi-kernel", "max-autotune-no-cudagraphs")
-
 DATA_FORMATS = ("jsonl", "sharegpt", "parquet", "imagefolder", "hf", "demo")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 DEVICES = ("auto", "cpu", "cuda")
@@ -72,28 +69,32 @@ class PreprocessSpec:
 
 @dataclass
 class EngineSpec:
-    """Mirrors `batchvl.engine.EngineConfig`."""
+    """How the engine runs: batch budgets, caches and the few real choices (the engine reads this very class)."""
 
-    max_prefill_tokens: int = 16384
-    max_vit_tiles: int = 64
-    image_cache: bool = False
-    prefix_cache: bool = False
-    compile_vit: bool = True
-    vit_compile_mode: str = "default"
-    vit_gelu_epilogue: bool = True
-    vit_fused_norm: bool = True
-    # null: on where its weight copies take <= 1 GiB (300M), else off
-    vit_inplace_residual: bool | None = None
-    vit_triton_attention: bool = True
-    vit_fp8: bool = False
-    vit_mode: str = "auto"
-    vit_splits: int = 2
-    compile_llm: bool | None = None  # regional torch.compile of the decoder layers; None: on CUDA only
-    overlap_vit: bool = False  # off: on an H200 the 8B seed job ran no faster with it (bench/RESULTS.md)
-    cuda_graphs: bool = True  # decode steps replayed from CUDA graphs (CUDA only)
-    attn_backend: str = "auto"  # LLM prefill attention: auto | sdpa | varlen | cudnn (see EngineConfig)
-    # prefill: the last layer's attention output and MLP for each prompt's last token only
-    last_layer_last_tokens: bool = True
+    max_prefill_tokens: int = 16384  # packed prefill tokens per batch
+    max_vit_tiles: int = 64  # tiles per ViT call
+    image_cache: bool = False  # encode an identical image once (content hash)
+    prefix_cache: bool = False  # reuse the KV of system prompt + image across rows
+    vit_fp8: bool = False  # ViT linears in FP8 e4m3: faster on the 6B, less accurate; model.tp 1 only
+    vit_mode: str = "auto"  # with model.tp > 1: "tp" (sharded ViT) or "dp" (replicated); auto: a cost model picks
+    eager: bool = False  # for debugging: no torch.compile and no CUDA graphs
+
+
+# engine keys of earlier versions: what became of each, for the error an old job file gets
+REMOVED_KEYS = {
+    "job.engine.compile_vit": "the ViT is always compiled (engine.eager: true turns compilation off)",
+    "job.engine.vit_compile_mode": "the ViT compiles in Inductor's default mode",
+    "job.engine.vit_gelu_epilogue": "the compiled ViT always runs fc1 + GELU as one GEMM",
+    "job.engine.vit_fused_norm": "the compiled ViT always fuses its residuals and norms",
+    "job.engine.vit_inplace_residual": "the compiled ViT always adds its residuals in place",
+    "job.engine.vit_triton_attention": "the compiled ViT always takes its Triton attention where it has one",
+    "job.engine.vit_splits": "a tensor-parallel ViT always overlaps two micro-batches",
+    "job.engine.compile_llm": "the LLM is compiled on CUDA (engine.eager: true turns compilation off)",
+    "job.engine.cuda_graphs": "decode runs from CUDA graphs on CUDA (engine.eager: true turns them off)",
+    "job.engine.overlap_vit": "removed: running the ViT under the previous decode measured no gain",
+    "job.engine.attn_backend": "the prefill attention is chosen per batch",
+    "job.engine.last_layer_last_tokens": "the last layer always runs each prompt's last token only",
+}
 
 
 @dataclass
@@ -199,6 +200,8 @@ def _build(cls: type, raw: Any, key: str) -> Any:
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
     for k, v in raw.items():
+        if f"{key}.{k}" in REMOVED_KEYS:
+            raise JobError(f"{key}.{k}: no longer a setting ({REMOVED_KEYS[f'{key}.{k}']}); delete the key")
         if k not in names:
             close = difflib.get_close_matches(str(k), names, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(names)})"
@@ -259,7 +262,7 @@ def _validate(job: Job) -> None:
             raise JobError(
                 f"job.model.weights: a preset has only random weights (weights: random), got {m.weights!r}"
             )
-        from batchvl.model.config import PRESETS
+        from batchvl.config import PRESETS
 
         _choice(m.preset, tuple(PRESETS), "job.model.preset")
     else:
@@ -298,11 +301,9 @@ def _validate(job: Job) -> None:
         raise JobError(f"job.preprocess.min_tiles: {pp.min_tiles} > max_tiles {pp.max_tiles}")
     _choice(pp.overlong, ("error", "truncate"), "job.preprocess.overlong")
     _at_least(pp.workers, 0, "job.preprocess.workers")
-    for k in ("max_prefill_tokens", "max_vit_tiles", "vit_splits"):
+    for k in ("max_prefill_tokens", "max_vit_tiles"):
         _at_least(getattr(e, k), 1, f"job.engine.{k}")
     _choice(e.vit_mode, ("auto", "tp", "dp"), "job.engine.vit_mode")
-    _choice(e.attn_backend, ("auto", "sdpa", "varlen", "cudnn"), "job.engine.attn_backend")
-    _choice(e.vit_compile_mode, VIT_COMPILE_MODES, "job.engine.vit_compile_mode")
     _at_least(g.max_new_tokens, 1, "job.generation.max_new_tokens")
     _at_least(g.temperature, 0, "job.generation.temperature")
     if not 0 < g.top_p <= 1:

@@ -295,7 +295,7 @@ class Flow:
     prefetch: int = 32
 
 
-class Runner:
+class Pipeline:
     """Drives rows through preprocessing, batching, the engine and the writer; counts what it did."""
 
     def __init__(
@@ -324,12 +324,9 @@ class Runner:
         if prep is None:  # (not `prep or ...`: an idle Preparer has len 0)
             prep = Preparer(f.preprocessor, f.workers, f.prefetch)
         try:
-            pending = None  # the batch prefilled last, waiting for its decode
             for batch in pack(self._prepared(rows, done, prep), f.max_prefill_tokens, f.max_vit_tiles):
-                pending = self._step(batch, pending)
+                self._run_batch(batch)
                 self._flush_errors()
-            if pending is not None:
-                self._finish(*pending)
             self._flush_errors()
         finally:
             prep.close()
@@ -379,39 +376,6 @@ class Runner:
                     it.prepared.image_key)
             for it in batch
         ]  # fmt: skip
-
-    def _step(self, batch: list[Item], pending: tuple | None) -> tuple | None:
-        """Start this batch's ViT, finish the previous batch's decode while it runs, then prefill this batch.
-        Engines with only `run_batch` (no phases) run each batch whole."""
-        eng = self.flow.engine
-        if not getattr(getattr(eng, "ecfg", None), "overlap_vit", False):  # nothing to overlap: run it whole
-            if pending is not None:
-                self._finish(*pending)
-            self._run_batch(batch)
-            return None
-        reqs = self._requests(batch)
-        wait_ms = max(0.0, time.perf_counter() - self.last_end) * 1e3  # the engine had nothing new to start
-        try:
-            encoded = eng.encode_async(reqs)
-        except Exception:  # noqa: BLE001 - raised again by prefill below, which retries the rows one by one
-            encoded = None
-        if pending is not None:
-            self._finish(*pending)
-        t_batch = time.perf_counter()
-        prefilled, why = _attempt(eng.prefill, reqs, self.flow.sampling, encoded)
-        if why is not None:
-            self._retry(batch, why)
-            return None
-        self.last_end = time.perf_counter()
-        return batch, t_batch, prefilled, wait_ms
-
-    def _finish(self, batch: list[Item], t_batch: float, prefilled: Any, wait_ms: float) -> None:
-        res, why = _attempt(self.flow.engine.decode, prefilled)
-        if why is not None:
-            self._retry(batch, why)
-            return
-        self.last_end = time.perf_counter()
-        self._results(batch, t_batch, res, wait_ms)
 
     def _run_batch(self, batch: list[Item]) -> None:
         """One whole engine call; on an exception retry the rows one at a time, then give up on failing ones."""

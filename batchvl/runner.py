@@ -5,7 +5,6 @@ Also the `batchvl` console script: `batchvl run JOB.yaml`, `batchvl report RUN_D
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import logging
 import platform
@@ -20,9 +19,9 @@ import torch
 from tqdm import tqdm
 
 from batchvl import dist
+from batchvl.config import InternVLConfig, config_to_dict, from_preset, load_config
 from batchvl.data import check_source, count_rows, iter_rows
 from batchvl.job import Job, JobError, job_for_fingerprint, job_to_dict, load_job
-from batchvl.model.config import InternVLConfig, config_to_dict, from_preset, load_config
 from batchvl.output import (
     PartWriter,
     ResumeError,
@@ -36,7 +35,7 @@ from batchvl.output import (
     write_manifest,
     write_summary,
 )
-from batchvl.pipeline import Flow, Preparer, Runner, write_rows
+from batchvl.pipeline import Flow, Pipeline, Preparer, write_rows
 from batchvl.preprocess import PreprocessConfig, Preprocessor, image_token_ids, load_tokenizer
 
 log = logging.getLogger("batchvl.runner")
@@ -73,12 +72,6 @@ def model_fingerprint(job: Job, cfg: InternVLConfig, dtype: torch.dtype) -> str:
     return fingerprint({"config": config_to_dict(cfg), "source": source, "dtype": str(dtype)})
 
 
-def engine_config(job: Job) -> Any:
-    from batchvl.engine import EngineConfig
-
-    return EngineConfig(**dataclasses.asdict(job.engine))
-
-
 def build_engine(
     job: Job,
     device: torch.device,
@@ -86,69 +79,14 @@ def build_engine(
     eos_token_ids: tuple[int, ...] = (),
     ctx: dist.DistContext | None = None,
 ) -> Any:
-    """The one place that wires model + engine; with model.tp > 1 each rank keeps its slice of the LLM."""
+    """The model, ready to serve, and the engine over it; fails early when a full batch cannot fit."""
     from batchvl.engine import Engine
-    from batchvl.model.loader import load_model, random_model
+    from batchvl.model.build import build_model
 
-    m = job.model
-    hooks: dict[str, Any] = {}
-    if ctx is not None and ctx.tp > 1:  # the ViT stays replicated on every rank of the replica
-        from batchvl.llm.tp import shard_llm
-
-        fns: dict[str, Callable] = {}
-        hooks["prepare"] = lambda model: fns.update(s=shard_llm(model.llm, ctx.tp_rank, ctx.tp, ctx.tp_group))
-        hooks["shard"] = lambda name, t: fns["s"](name, t)
-    if m.path:
-        model, cfg = load_model(m.path, device, dtype, trust_remote_code=m.trust_remote_code, **hooks)
-    else:
-        model, cfg = random_model(m.preset, device, dtype, seed=m.seed, **hooks)
-    ecfg = engine_config(job)
-    encode = vision_encoder(model, cfg, ecfg, ctx)
-    engine = Engine(
-        model, cfg, ecfg, device=device, dtype=dtype, eos_token_ids=eos_token_ids, encode_fn=encode
-    )
-    engine.check_memory(ecfg.max_prefill_tokens, job.generation.max_new_tokens)
+    model, encode = build_model(job.model, job.engine, device, dtype, ctx)
+    engine = Engine(model, model.cfg, job.engine, device, dtype, eos_token_ids, encode_fn=encode)
+    engine.check_memory(job.engine.max_prefill_tokens, job.generation.max_new_tokens)
     return engine
-
-
-def vision_encoder(model: Any, cfg: InternVLConfig, ecfg: Any, ctx: dist.DistContext | None) -> Callable:
-    """The ViT callable: compiled or eager; across a tensor-parallel group, TP with split-batch overlap or DP."""
-    from batchvl.encoder.internvit_compiled import compile_encoder
-    from batchvl.encoder.split_overlap import DPVisionEncoder, TPVisionEncoder, choose_vit_mode
-
-    if ecfg.vit_fp8:
-        from batchvl.encoder.fp8 import fp8_vit
-
-        if ctx is not None and ctx.tp > 1:
-            raise ValueError(
-                "engine.vit_fp8 runs the ViT on one GPU per replica; use model.tp: 1 (or vit_fp8: false)"
-            )
-        fp8_vit(model.vision)  # in place: the four linears of every layer become Fp8Linear
-    compiled = (
-        compile_encoder(
-            model.vision,
-            mode=ecfg.vit_compile_mode,
-            max_tiles=ecfg.max_vit_tiles,
-            gelu_epilogue=ecfg.vit_gelu_epilogue,
-            fused_norm=ecfg.vit_fused_norm,
-            inplace_residual=ecfg.vit_inplace_residual,
-            triton_attn=ecfg.vit_triton_attention,
-            fold_in_place=True,  # the engine owns the model: layer scales into its weights, no copies
-        )
-        if ecfg.compile_vit
-        else None
-    )
-    if ctx is None or ctx.tp <= 1:
-        return compiled or model.vision
-    mode = ecfg.vit_mode
-    if mode == "auto":
-        mode = choose_vit_mode(ecfg.max_vit_tiles, cfg, ctx.tp)
-        log.info(
-            "vit_mode auto -> %s (tp group of %d, %d tiles per ViT batch)", mode, ctx.tp, ecfg.max_vit_tiles
-        )
-    if mode == "tp":
-        return TPVisionEncoder(model.vision, ctx.tp_group, micro_batches=ecfg.vit_splits)
-    return DPVisionEncoder(model.vision, ctx.tp_group, encode=compiled)
 
 
 def preprocess_config(job: Job, cfg: InternVLConfig) -> PreprocessConfig:
@@ -206,7 +144,6 @@ def run_job(
     device = resolve_device(job, ctx)
     dtype = resolve_dtype(job, device)
     cfg = model_config(job)
-    engine_config(job)  # fails here, before any weights load, if the engine rejects a setting
     check_source(job.data)
     job_fp, model_fp = fingerprint(job_for_fingerprint(job)), model_fingerprint(job, cfg, dtype)
     decision = _resume_decision(job, ctx, job_fp, model_fp)
@@ -251,7 +188,7 @@ def run_job(
         with tqdm(
             total=shard_total, desc=desc, unit="row", disable=not ctx.is_main, dynamic_ncols=True
         ) as bar:
-            counts = Runner(flow, write_rows(writer), t0, bar).run(
+            counts = Pipeline(flow, write_rows(writer), t0, bar).run(
                 iter_rows(job.data, ctx.replica, ctx.num_replicas), done, prep
             )
         if writer is not None:
@@ -265,6 +202,8 @@ def run_job(
         counts = counts | {"vit_compile": compile_stats.summary()}
         log.info("%s", counts["vit_compile"])
     counts = counts | dict(getattr(engine, "counters", {}))  # cache hits
+    if device.type == "cuda":
+        counts["peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     step = getattr(engine, "decode_step", None)
     if step is not None:  # CUDA graphs of the decode step: how many shapes were captured, or why they are off
         counts = counts | {"decode_graphs_captured": step.captures, "decode_graphs_failed": step.failed}
@@ -323,7 +262,7 @@ _SET_OPT = click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
 _OVERWRITE_OPT = click.option("--overwrite", is_flag=True, help="Delete earlier results in output.dir first.")
 
 
-@click.command()
+@click.command("run")
 @_JOB_ARG
 @_SET_OPT
 @_OVERWRITE_OPT
@@ -337,13 +276,7 @@ def cli() -> None:
     """batchvl: batch offline inference for InternVL2.5."""
 
 
-@cli.command("run")
-@_JOB_ARG
-@_SET_OPT
-@_OVERWRITE_OPT
-def run_cmd(job_file: str, sets: tuple[str, ...], overwrite: bool) -> None:
-    """Run the batch inference job JOB_FILE (re-running the same command resumes)."""
-    run_file(job_file, sets, overwrite)
+cli.add_command(main)  # `batchvl run JOB_FILE` is `python -m batchvl.runner JOB_FILE`
 
 
 @cli.command("report")

@@ -6,25 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from batchvl.model.config import InternVLConfig, VisionConfig
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm computed in fp32, then `weight * x.to(input dtype)` (InternVL / T5 style)."""
-
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: Tensor) -> Tensor:
-        return rms_norm(x, self.weight, self.eps)
-
-
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """`RMSNorm`'s sums: normalize in fp32, round to x's dtype, then multiply by the weight."""
-    xf = x.float()
-    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+from batchvl.config import InternVLConfig, VisionConfig
+from batchvl.ops.norm import RMSNorm
 
 
 def make_norm(cfg: VisionConfig, dim: int | None = None) -> nn.Module:

@@ -29,9 +29,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from batchvl.config import InternVLConfig, VisionConfig
 from batchvl.encoder.internvit import InternViTLayer, InternViTMLP, VisionEncoder, vit_to_tokens
-from batchvl.encoder.internvit_compiled import compile_kwargs
-from batchvl.model.config import InternVLConfig, VisionConfig
 
 
 def split_sizes(n: int, world: int) -> list[int]:
@@ -207,14 +206,14 @@ class TPVisionEncoder(nn.Module):
         enc: VisionEncoder,
         group: dist.ProcessGroup | None = None,
         micro_batches: int = 2,
-        compile_mode: str | None = None,
+        compile: bool = False,
     ) -> None:
         super().__init__()
         if not hasattr(enc, "tp_group"):
             shard_vit_tp(enc, group)
         self.enc, self.group, self.micro_batches = enc, group, micro_batches
-        opts = dict(**compile_kwargs(compile_mode or "default"), dynamic=False, fullgraph=True)
-        self.fns = {k: torch.compile(f, **opts) for k, f in TP_STAGES.items()} if compile_mode else TP_STAGES
+        opts = dict(dynamic=False, fullgraph=True)
+        self.fns = {k: torch.compile(f, **opts) for k, f in TP_STAGES.items()} if compile else TP_STAGES
 
     @torch.no_grad()
     def forward(self, pixel_values: Tensor) -> Tensor:
@@ -265,7 +264,7 @@ class DPVisionEncoder(nn.Module):
 # --------------------------------------------------------------------------- choosing a mode
 
 # Defaults, replaced by measured numbers when given:
-#   flops_per_s  achieved bf16 rate of one GPU on the ViT (the DESIGN floor: 6B at 52.6 tiles/s x 11.94 TFLOP)
+#   flops_per_s  achieved bf16 rate of one GPU on the ViT
 #   t_tile       seconds per tile on one GPU (overrides flops_per_s)
 #   bus_bw       all-reduce bus bandwidth in bytes/s (nccl-tests "busbw"; ~350 GB/s is a conservative H200 NVLink)
 #   latency_s    fixed cost per collective
@@ -275,7 +274,7 @@ COST_DEFAULTS = dict(flops_per_s=628e12, bus_bw=350e9, latency_s=25e-6, overlap=
 
 
 def vit_flops_per_tile(v: VisionConfig) -> tuple[float, float]:
-    """(attention-side, MLP-side) FLOPs of one tile: 6B 11.94 TFLOP in all, 300M 0.72 TFLOP."""
+    """(attention-side, MLP-side) FLOPs of one tile through the ViT layers (the projector not counted)."""
     T, C, ff = v.num_patches + 1, v.hidden_size, v.intermediate_size
     attn = 2 * T * 4 * C * C + 4 * T * T * C  # qkv + proj GEMMs, QK^T and PV
     return v.num_layers * attn, v.num_layers * 2 * T * 2 * C * ff

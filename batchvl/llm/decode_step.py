@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from batchvl.llm.attention import AttnMeta
 from batchvl.llm.kv_cache import KVCache
+from batchvl.ops.prefill_attention import AttnMeta
 
 log = logging.getLogger(__name__)
 

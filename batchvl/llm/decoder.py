@@ -11,16 +11,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchvl.llm.attention import (
-    AttnMeta,
-    prefill_per_seq,
-    prefill_sdpa,
-    prefill_varlen,
-    varlen_available,
-)
-from batchvl.llm.decode_attention import decode_attention
+from batchvl.config import LLMConfig
 from batchvl.llm.kv_cache import KVCache
-from batchvl.model.config import LLMConfig
+from batchvl.ops.decode_attention import decode_attention
+from batchvl.ops.norm import RMSNorm
+from batchvl.ops.prefill_attention import AttnMeta, prefill_attention
 
 _MM_FLOAT_OUT: dict[torch.device, bool] = {}
 
@@ -39,19 +34,6 @@ def mm_float_out_ok(h: torch.Tensor) -> bool:
         except (RuntimeError, TypeError, NotImplementedError):
             _MM_FLOAT_OUT[h.device] = False
     return _MM_FLOAT_OUT[h.device]
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
 
 
 class Rotary(nn.Module):
@@ -96,7 +78,6 @@ class Attention(nn.Module):
             cfg.hidden_size, (self.n_heads + 2 * self.n_kv) * self.head_dim, bias=cfg.qkv_bias
         )
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
-        self.backend = "auto"  # "auto" | "sdpa" | "varlen" | "cudnn" (see llm/attention.py)
 
     def forward(
         self, x, cos, sin, meta: AttnMeta, kv: tuple[torch.Tensor, torch.Tensor] | None
@@ -115,13 +96,7 @@ class Attention(nn.Module):
         if meta.is_decode:
             o = decode_attention(q, kc, vc, meta.kv_lens)
         else:
-            per_seq = self.backend == "cudnn" or (self.backend == "auto" and meta.per_seq)
-            if per_seq and meta.key_rows is None:
-                o = prefill_per_seq(q, k, v, meta, "cudnn")
-            elif self.backend == "varlen" or (self.backend in ("auto", "cudnn") and varlen_available(q)):
-                o = prefill_varlen(q, k, v, meta, kc, vc)
-            else:
-                o = prefill_sdpa(q, k, v, meta, kc, vc)
+            o = prefill_attention(q, k, v, meta, kc, vc)
         return self.o_proj(o.reshape(t, q_sz))
 
     def forward_last(
@@ -164,8 +139,6 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, cos, sin, meta, kv):
-        # compiled on CUDA, Inductor makes each add an addmm, which first copies x (0.25 ms each at 8B, 65k tokens);
-        # adds kept out of addmm cost about as much in the norm kernels (bench/RESULTS.md, session 8), so they stay
         x = x + self.attn(self.input_norm(x), cos, sin, meta, kv)
         return x + self.mlp(self.post_attn_norm(x))
 
@@ -186,7 +159,7 @@ class Decoder(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg)
         self._head_padded: torch.Tensor | None = None  # lm_head rows padded in storage (`pad_vocab`)
-        # the last layer's `forward_last` as the caller compiled it (the engine, with compile_llm), or None: eager
+        # the last layer's `forward_last` as the model builder compiled it, or None: eager
         self.compiled_last: Callable | None = None
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -220,8 +193,7 @@ class Decoder(nn.Module):
     def pad_vocab(self, multiple: int = 128) -> None:
         """Keep lm_head's rows in storage padded to a multiple of `multiple` (zero rows), and multiply by all of
         them. A vocabulary like InternLM2.5's 92 553 makes [T, V] logits rows unaligned, and cuBLAS then picks a
-        slow kernel: 1.2 ms for 33 rows at 8B shapes on an H200 (bench/RESULTS.md, session 4), against ~0.2 ms
-        to read the weight. The parameter stays [V, hidden], a view of the padded storage (tied or not). Call it
+        slow kernel. The parameter stays [V, hidden], a view of the padded storage (tied or not). Call it
         after the model's last `.to()`: the padded storage is a plain attribute, which `.to()` does not move."""
         w = self.lm_head.weight
         vp = -(-w.shape[0] // multiple) * multiple
@@ -238,8 +210,7 @@ class Decoder(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """h [T, hidden] -> [T, V] float32. On CUDA the bf16/fp16 product is written in float32 straight from the
-        GEMM's accumulator (`mm_float_out_ok`), at the bf16 product's cost: rounding logits to bf16 (spacing 0.125 at
-        16-32, 0.5 at 64-128) flipped near-ties between the top two tokens (bench/RESULTS.md, sessions 6-7)."""
+        GEMM's accumulator (`mm_float_out_ok`), at the bf16 product's cost: logits rounded to bf16 flip near-ties."""
         v = self.lm_head.weight.shape[0]
         w = self._head_padded if self._head_padded is not None else self.lm_head.weight
         if mm_float_out_ok(h):

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from batchvl.config import InternVLConfig
 from batchvl.encoder.internvit import VisionEncoder
 from batchvl.llm.decoder import Decoder
-from batchvl.model.config import InternVLConfig
 
 
 class InternVL(nn.Module):

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from batchvl.model.config import InternVLConfig, from_preset, load_config
+from batchvl.config import InternVLConfig, from_preset, load_config
 from batchvl.model.internvl import InternVL
 
 ShardFn = Callable[[str, torch.Tensor], torch.Tensor]

@@ -1,25 +1,20 @@
 """InternViT self-attention as one Triton kernel that knows the CLS token: `vit_attention(qkv, ...)`.
 
-A tile is T = 1 + 1024 tokens (a CLS token, then 32 x 32 patches). SDPA kernels tile the keys in blocks of 64-128,
-so the 1025th key costs a whole block: on an H200 at 64 tiles cuDNN took 1.959 ms at 6B shapes with 1025 keys
-against 1.524 with 1024 (21%), 0.868 against 0.710 at 300M (bench/RESULTS.md, session 8). Taking the CLS key out
-around SDPA needed a pass over q and o that cost as much as it saved. Here it is inside the kernel:
+A tile is T = 1 + 1024 tokens (a CLS token, then 32 x 32 patches). SDPA kernels tile the keys in blocks of 64-128, so
+the 1025th key costs a whole block. Here the CLS key is inside the kernel:
 
 - each program takes BLOCK_M patch queries of one (tile, head), starts its online softmax from the CLS key (a rank-
-  one step on CUDA cores: running max = that score, sum = 1, output = v_cls), then runs the 1024 patch keys in
-  full blocks, with no masking;
-- the CLS query is split over the same programs: program i scores it against its own BLOCK_M patch keys (and
-  program 0 against the CLS key) and writes a partial (max, sum, output); a small kernel merges the partials;
-- a full-width q/k RMSNorm (the 6B's) can be folded in: the op reads the raw qkv rows and two per-row rstd vectors
-  (one reduction each), q is multiplied by rstd_q * `q_norm.weight * k_norm.weight` once per program, and each
-  score by the key's rstd_k; the normalized q and k are never written.
+  one step on CUDA cores), then runs the 1024 patch keys in full blocks, with no masking;
+- the CLS query is split over the same programs: each scores it against its own patch keys and writes a partial
+  (max, sum, output); a small kernel merges the partials;
+- a full-width q/k RMSNorm (the 6B's) can be folded in: q is multiplied by rstd_q * (w_q * w_k) once per program and
+  each score by the key's rstd_k; the normalized q and k are never written.
 
-Registered with `torch.library` plus a fake implementation, so a compiled layer traces it as one node. It runs the
-kernel on CUDA for bf16 / fp16 where `CONFIGS` has the head_dim and T - 1 divides into its blocks; otherwise (CPU,
-other shapes) `vit_attention_reference`, the eager layer's own sums (RMSNorm, then SDPA). Measured on an H200, the
-kernel wins at head_dim 64 (300M) and loses at 128 (6B), so only 64 has a config (see `CONFIGS`).
-Numerics: q * rstd_q * (w_q * w_k) is rounded once to the activation dtype (the eager path rounds q * rstd_q, then
-w_q * that, and k likewise); the scores are fp32, as in any flash kernel.
+Registered with `torch.library` plus a fake implementation, so a compiled layer traces it as one node. The kernel runs
+on CUDA for bf16 / fp16 where `CONFIGS` has the head_dim (only 64, the 300M: at 128 it lost to cuDNN); elsewhere
+`vit_attention_reference`, the eager layer's sums. `vit_attention_sdpa` is the path without a config: the q/k norm as
+one Triton pass (`fused_norm.qk_norm`), then SDPA.
+Numerics: q * rstd_q * (w_q * w_k) is rounded once to the activation dtype; the scores are fp32.
 """
 
 from __future__ import annotations
@@ -30,14 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from batchvl.encoder.fused_norm import qk_norm, triton_interpreting
-from batchvl.encoder.internvit import rms_norm
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs: the op runs the reference
-    triton = None
+from batchvl.ops.fused_norm import qk_norm
+from batchvl.ops.norm import rms_norm
+from batchvl.ops.triton_support import interpreting, tl, triton
 
 
 def vit_attention_reference(
@@ -72,15 +62,11 @@ def sdpa_heads(q: Tensor, k: Tensor, v: Tensor, H: int, scale: float) -> Tensor:
     return o.transpose(1, 2).reshape(B * T, C)
 
 
-INTERPRET = triton_interpreting()  # read once: `kernel_config` also runs while Dynamo traces
-# (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA loads) per head_dim, from `bench/probe.py vitattn`
-# (H200, 64 tiles, bench/RESULTS.md sessions 10-11): at head_dim 64 (300M) 0.735 ms against cuDNN's 0.864. No entry for
-# 128 (6B): the best candidate took 2.713 ms against 2.459 for Inductor's q/k RMSNorm + cuDNN, so the 6B keeps that.
-# (Triton 3.6 gave wrong output there with TMA boxes of 128 x 128, BLOCK_N = 128: never use those.)
+INTERPRET = interpreting()  # read once: `kernel_config` also runs while Dynamo traces
+# (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA loads) per head_dim where the kernel beats cuDNN (bench/history/)
+# (Triton 3.6 gave wrong output at head_dim 128 with TMA boxes of 128 x 128: never use those)
 CONFIGS = {64: (128, 128, 4, 3, True)}
-MAX_GRID_Y = (
-    65535  # the kernel's grid is (query blocks, tiles * heads): the blocks of one head run side by side
-)
+MAX_GRID_Y = 65535  # the grid is (query blocks, tiles * heads): the blocks of one head run side by side
 
 if triton is not None:
 

@@ -1,16 +1,12 @@
-"""Attention for packed (varlen) prefill; decode against the KV cache lives in `decode_attention.py`.
+"""Attention for packed (varlen) prefill: a flat token tensor plus `cu_seqlens`, no padding.
 
-Prefill takes a flat token tensor plus `cu_seqlens` (no padding). Backends:
+Backends, picked per batch by `prefill_backend` (the one place that decides) and run by `prefill_attention`:
 - "sdpa": one causal SDPA call per sequence (the reference; any device);
-- "varlen": `torch.nn.attention.varlen.varlen_attn` (flash varlen, CUDA), when this torch has it;
-- "cudnn": one causal SDPA call per sequence with cuDNN's kernel tried first, inside one custom op so a
-  compiled layer traces it as a single node (`causal_attn_per_seq`). On an H200 it ran 1.6x flash varlen alone at
-  fixed lengths. With every new sequence length cuDNN built a new plan, which made the seed job's prefill 41%
-  slower; windows rounded up to PER_SEQ_ROWS fixed that, and the job then ran as fast as with flash varlen, not
-  faster (bench/RESULTS.md). Since session 5 every call has one layout and a padded window, so `warm_per_seq` can
-  build all of a job's plans ahead; with the plans built the seed jobs ran 2.5% (8B) / 3.5% (38B) faster, so
-  "auto" takes it on Hopper for long sequences (`AttnMeta.per_seq`, set by the engine). Prefill after a cached
-  prefix takes the varlen path.
+- "varlen": `torch.nn.attention.varlen.varlen_attn` (flash varlen, CUDA), where this torch has it;
+- "cudnn": one causal SDPA call per sequence with cuDNN's kernel tried first, inside one custom op so a compiled layer
+  traces it as one node (`causal_attn_per_seq`). Faster than flash varlen for long sequences on Hopper once cuDNN has
+  built its plans, so each call is padded to a window of PER_SEQ_ROWS rows: a job's lengths map to a few plans.
+Prefill after a cached prefix takes the varlen path (or the reference off CUDA).
 """
 
 from __future__ import annotations
@@ -22,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from batchvl.encoder.internvit_compiled import sdpa_context
+from batchvl.ops.sdpa import sdpa_context
 
 
 @dataclass
@@ -42,8 +38,7 @@ class AttnMeta:
     key_rows: torch.Tensor | None = None  # [Tk] int64
     key_pos: torch.Tensor | None = None  # [Tk] int64
     cu_seqlens_host: torch.Tensor | None = None  # cu_seqlens on the CPU (per-sequence loops without a sync)
-    # backend "auto": prefill with one cuDNN SDPA call per sequence (see PER_SEQ_MIN_MEAN)
-    per_seq: bool = False
+    backend: str = "sdpa"  # prefill: "sdpa" | "varlen" | "cudnn" (`prefill_backend`)
 
 
 def _varlen_fn():
@@ -56,16 +51,6 @@ def _varlen_fn():
 
 _VARLEN = _varlen_fn()
 _VARLEN_PARAMS = set(inspect.signature(_VARLEN).parameters) if _VARLEN is not None else set()
-
-
-def varlen_available(x: torch.Tensor) -> bool:
-    """Flash varlen runs on CUDA for fp16/bf16 with head_dim <= 256; anything else takes the SDPA path."""
-    return (
-        _VARLEN is not None
-        and x.is_cuda
-        and x.dtype in (torch.float16, torch.bfloat16)
-        and x.shape[-1] <= 256
-    )
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask=None) -> torch.Tensor:
@@ -121,10 +106,7 @@ def prefill_varlen(q, k, v, meta: AttnMeta, k_cache=None, v_cache=None) -> torch
 
 
 PER_SEQ_ROWS = 64  # causal_attn_per_seq computes each sequence over a window of a multiple of this many rows
-# Backend "auto" on Hopper takes the per-sequence cuDNN path for batches whose sequences average at least this many
-# tokens. Measured on an H200 (bench/RESULTS.md, session 5) at ~2000 tokens a sequence, with every window's plan
-# built: prefill -3% (8B) / -5.6% (38B) against flash varlen. Each call costs host time, so batches of many short
-# sequences keep the single varlen call.
+# "cudnn" only for batches whose sequences average this many tokens: each call costs host time
 PER_SEQ_MIN_MEAN = 1024
 
 
@@ -142,13 +124,9 @@ def causal_attn_per_seq(
 
     Each call covers the sequence's rows plus the following ones up to a multiple of PER_SEQ_ROWS (zero rows past
     the end), all of one layout (contiguous [rows, heads, D]): so a job's lengths map to a handful of shapes and
-    strides, and cuDNN builds a handful of execution plans (`warm_per_seq` builds them ahead). The extra rows'
-    outputs are dropped and, the mask being causal, the sequence's own queries never attend to them.
-
-    The window outputs are gathered by one cat: on an H200 over the 8B seed job's first batch (33 sequences, 65k
-    tokens) a copy per sequence took the op alone to 3.67 ms, one cat to 3.12, the SDPA calls alone 3.16 (`probe.py
-    perseq`): the gain is host time (33 launches fewer); the copy kernels and the cat sum about the same device time.
-    Leaving v a strided view of qkv (no contiguous copy) was slower: 3.23."""
+    strides, and cuDNN builds a handful of execution plans. The extra rows' outputs are dropped and, the mask being
+    causal, the sequence's own queries never attend to them. The outputs are gathered by one cat (fewer launches
+    than a copy per sequence)."""
     cu, T = cu_seqlens_host.tolist(), q.shape[0]
     q, k, v = (t.contiguous() for t in (q, k, v))  # cuDNN keys its plans on strides too (v is a view of qkv)
     gqa = q.shape[1] != k.shape[1]
@@ -172,21 +150,32 @@ def _(q, k, v, cu_seqlens_host, backend):
     return q.new_empty(q.shape)  # contiguous, as the cat returns it
 
 
-def warm_per_seq(
-    lengths, heads: int, kv_heads: int, head_dim: int, device, dtype, backend: str = "cudnn"
-) -> int:
-    """Run `causal_attn_per_seq` once on every window that sequences of these lengths map to (cuDNN builds an
-    execution plan per shape on first use); returns how many windows."""
-    windows = sorted({per_seq_window(n) for n in lengths})
-    for w in windows:
-        q = torch.randn(w, heads, head_dim, device=device, dtype=dtype)
-        k, v = (torch.randn(w, kv_heads, head_dim, device=device, dtype=dtype) for _ in range(2))
-        causal_attn_per_seq(q, k, v, torch.tensor([0, w]), backend)
-    return len(windows)
-
-
 def prefill_per_seq(q, k, v, meta: AttnMeta, backend: str = "cudnn") -> torch.Tensor:
     """Packed causal prefill without a cached prefix, one fused SDPA call per sequence (see `causal_attn_per_seq`)."""
     cu = meta.cu_seqlens_host if meta.cu_seqlens_host is not None else meta.cu_seqlens.cpu()
     # v is a view of the qkv output: made contiguous here, a compiled layer writes it in its RoPE kernel's pass
     return causal_attn_per_seq(q, k, v.contiguous(), cu, backend)
+
+
+def prefill_backend(q_device: torch.device, dtype: torch.dtype, head_dim: int, lengths: list[int],
+                    has_prefix: bool, all_heads: bool) -> str:  # fmt: skip
+    """The prefill attention for one packed batch: "cudnn" per sequence on Hopper for long sequences without a cached
+    prefix and with every head on this GPU (under tensor parallelism each call would carry a fraction of the work for
+    the same host cost); else flash "varlen" where it runs; else the "sdpa" reference."""
+    on_cuda = q_device.type == "cuda"
+    varlen = _VARLEN is not None and on_cuda and dtype in (torch.float16, torch.bfloat16) and head_dim <= 256
+    hopper = (
+        on_cuda and torch.backends.cudnn.is_available() and torch.cuda.get_device_capability(q_device)[0] == 9
+    )
+    if hopper and all_heads and not has_prefix and sum(lengths) >= PER_SEQ_MIN_MEAN * len(lengths):
+        return "cudnn"
+    return "varlen" if varlen else "sdpa"
+
+
+def prefill_attention(q, k, v, meta: AttnMeta, k_cache=None, v_cache=None) -> torch.Tensor:
+    """q [T, H, D], k / v [T, Hkv, D] packed -> [T, H, D] through `meta.backend`."""
+    if meta.backend == "cudnn":
+        return prefill_per_seq(q, k, v, meta)
+    if meta.backend == "varlen":
+        return prefill_varlen(q, k, v, meta, k_cache, v_cache)
+    return prefill_sdpa(q, k, v, meta, k_cache, v_cache)

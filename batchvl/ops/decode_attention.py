@@ -1,9 +1,7 @@
 """Decode attention: one new token per cache row against that row's valid keys, `decode_attention(q, k, v, lens)`.
 
-The reference (`decode_attention_reference`) is one masked SDPA call over the whole padded cache. On an H200 at
-the 8B seed job's shapes (33 rows of ~1990 keys, rows padded to 40 and lengths to 2048 for the decode graphs) its
-kernel read the cache at ~2.5 TB/s and took about half of a decode step (bench/RESULTS.md, session 6): it reads
-every padded slot, and it runs one program per (row, kv head), 320 of them on 132 SMs.
+The reference (`decode_attention_reference`) is one masked SDPA call over the whole padded cache: it reads every
+padded slot and runs one program per (row, kv head), too few to fill the GPU.
 
 The Triton path splits each row's keys into chunks (flash-decoding): a program per (row, kv head, chunk) scores the
 `rep` query heads that share the kv head (GQA, padded to 16 rows for the tensor cores) against the chunk's valid
@@ -24,13 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from batchvl.encoder.fused_norm import triton_interpreting
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs: the op runs the reference
-    triton = None
+from batchvl.ops.triton_support import interpreting, tl, triton
 
 
 def decode_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, kv_lens: Tensor) -> Tensor:
@@ -49,7 +41,7 @@ def decode_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, kv_l
     return out.reshape(b, h, d)
 
 
-INTERPRET = triton_interpreting()
+INTERPRET = interpreting()
 BLOCK_N = 64  # keys per step of a program's loop
 # split the keys until (rows x kv heads x chunks) reaches this many programs (an H200 has 132 SMs)
 MIN_PROGRAMS = 1024

@@ -1,0 +1,91 @@
+"""The one builder: a model ready to serve, with its compiled parts.
+
+Weights are loaded (or drawn), the LLM sharded across a tensor-parallel group, lm_head padded, the decoder layers
+compiled, and the ViT wrapped as the job asks (compiled, FP8, tensor or data parallel). The engine takes what this
+returns and changes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from batchvl import dist
+from batchvl.encoder.internvit_compiled import CompiledEncoder
+from batchvl.encoder.split_overlap import DPVisionEncoder, TPVisionEncoder, choose_vit_mode
+from batchvl.job import EngineSpec, ModelSpec
+from batchvl.llm.decoder import Decoder
+from batchvl.model.internvl import InternVL
+from batchvl.model.loader import load_model, random_model
+
+log = logging.getLogger(__name__)
+TP_VIT_MICRO_BATCHES = (
+    2  # a tensor-parallel ViT overlaps one micro-batch's all-reduce with the other's compute
+)
+
+
+def build_model(
+    spec: ModelSpec, settings: EngineSpec, device: torch.device, dtype: torch.dtype,
+    ctx: dist.DistContext | None = None,
+) -> tuple[InternVL, Callable[[torch.Tensor], torch.Tensor]]:  # fmt: skip
+    """(model, encode): the model on `device` (this rank's slice of the LLM under model.tp > 1) and the ViT callable
+    tiles [N, 3, S, S] -> image tokens [N, 256, hidden]."""
+    hooks: dict[str, Any] = {}
+    if ctx is not None and ctx.tp > 1:  # the ViT stays whole on every rank of the replica
+        from batchvl.llm.tp import shard_llm
+
+        fns: dict[str, Callable] = {}
+        hooks["prepare"] = lambda model: fns.update(s=shard_llm(model.llm, ctx.tp_rank, ctx.tp, ctx.tp_group))
+        hooks["shard"] = lambda name, t: fns["s"](name, t)
+    if spec.path:
+        model, _ = load_model(spec.path, device, dtype, trust_remote_code=spec.trust_remote_code, **hooks)
+    else:
+        model, _ = random_model(spec.preset, device, dtype, seed=spec.seed, **hooks)
+    prepare_llm(model.llm, compile=not settings.eager and device.type == "cuda")
+    return model, vision_encoder(model, settings, ctx)
+
+
+def prepare_llm(llm: Decoder, compile: bool) -> None:
+    """lm_head padded for aligned logits rows on CUDA; each decoder layer compiled (one graph shared by all layers:
+    parameters are inputs), and the last layer's last-tokens path."""
+    if llm.embed_tokens.weight.is_cuda:
+        llm.pad_vocab()
+    if not compile:
+        return
+    for layer in llm.layers:
+        layer.compile(dynamic=True)
+    llm.compiled_last = torch.compile(llm.layers[-1].forward_last, dynamic=True)
+
+
+def vision_encoder(model: InternVL, settings: EngineSpec, ctx: dist.DistContext | None = None) -> Callable:
+    """The ViT callable: compiled unless eager; across a tensor-parallel group, TP with split-batch overlap or DP."""
+    tp = ctx.tp if ctx is not None else 1
+    if settings.vit_fp8:
+        from batchvl.encoder.fp8 import fp8_vit
+
+        if tp > 1:
+            raise ValueError(
+                "engine.vit_fp8 runs the ViT on one GPU per replica; use model.tp: 1 (or vit_fp8: false)"
+            )
+        fp8_vit(model.vision)  # in place: the four linears of every layer become Fp8Linear
+    if tp > 1:
+        mode = settings.vit_mode
+        if mode == "auto":
+            mode = choose_vit_mode(settings.max_vit_tiles, model.cfg, tp)
+            log.info(
+                "vit_mode auto -> %s (tp group of %d, %d tiles per ViT call)",
+                mode,
+                tp,
+                settings.max_vit_tiles,
+            )
+        if mode == "tp":
+            return TPVisionEncoder(
+                model.vision, ctx.tp_group, TP_VIT_MICRO_BATCHES, compile=not settings.eager
+            )
+    encode = (
+        model.vision if settings.eager else CompiledEncoder(model.vision, max_tiles=settings.max_vit_tiles)
+    )
+    return encode if tp <= 1 else DPVisionEncoder(model.vision, ctx.tp_group, encode=encode)
