@@ -1,7 +1,7 @@
 """InternViT(+projector) throughput: ours eager/compiled vs transformers sdpa (eager/compiled), against the floor.
 
-    python bench/vit.py [--models 6b,300m] [--batches 16,64,128] [--skip-hf] [--quick] [--mode M] [--fp8]
-    python bench/vit.py --smoke          # CPU, tiny configs, 1-2 iterations, no triton
+    python bench/vit.py --batches 64 --rounds 3     # the figure in bench/RESULTS.md (one H200)
+    python bench/vit.py --smoke                     # CPU, tiny configs, 1-2 iterations
 
 Floor: the encoder's GEMMs (qkv, proj, fc1, fc2 per layer, times layers, plus the projector's two) at the
 exact shapes and SDPA alone (fastest of flash/cuDNN/efficient), each timed with triton.testing.do_bench
@@ -27,11 +27,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from batchvl.config import InternVLConfig, from_preset  # noqa: E402
 from batchvl.encoder.fp8 import fp8_vit, quantize_rows  # noqa: E402
 from batchvl.encoder.internvit import VisionEncoder  # noqa: E402
-from batchvl.encoder.internvit_compiled import compile_encoder, sdpa_context  # noqa: E402
+from batchvl.encoder.internvit_compiled import CompiledEncoder  # noqa: E402
 from batchvl.encoder.split_overlap import vit_flops_per_tile  # noqa: E402
-from batchvl.model.config import InternVLConfig, from_preset  # noqa: E402
+from batchvl.ops.sdpa import sdpa_context  # noqa: E402
 
 # model name -> preset giving the vision tower and the projector's output width (the largest LLM it feeds)
 PRESET = {
@@ -66,8 +67,7 @@ def bench_ms(fn, dev: torch.device, warmup: int = 25, rep: int = 100) -> float:
 
 def time_calls(fn, px: torch.Tensor, target_s: float, max_iters: int) -> tuple[float, int]:
     """Seconds per call (the caller has warmed fn up): at least 2 calls, more while under target_s. Starts on an idle
-    GPU: a warm-up call still queued would otherwise be timed too (session 14: the 6B's 2-call windows read 1.5x
-    slow in probes that skipped the sync)."""
+    GPU: a warm-up call still queued would otherwise be timed too."""
     dev = px.device
     sync(dev)
     n, t0 = 0, time.perf_counter()
@@ -307,45 +307,16 @@ def run_model(name: str, args, dev: torch.device, dtype: torch.dtype, ceiling: f
 
     floors = {b: floor_ms(cfg, b, dev, dtype) for b in args.batches}
     floors_fp8 = {b: floor_ms(cfg, b, dev, dtype, fp8=True) for b in args.batches} if args.fp8 else {}
-    backend = floors[n_ref]["attn_backend"] if args.attn_backend == "fastest" else args.attn_backend
-    print(
-        f"attention backend for ours: {backend}  (SDPA alone, ms: {floors[n_ref]['attn_by_backend']})",
-        flush=True,
-    )
+    backend = floors[n_ref]["attn_backend"]  # the floor's SDPA: the fastest alone
+    print(f"SDPA alone, ms: {floors[n_ref]['attn_by_backend']}", flush=True)
 
     t0 = time.perf_counter()
-    buckets = [args.max_bucket] if args.max_bucket else list(args.batches)  # exact sizes: no padding
-    # as the runner builds it: the layer scales folded into enc's own weights (every variant below, transformers'
-    # included, then runs those weights; `ref` above was computed before, from the unfolded copy)
-    ce = compile_encoder(enc, mode=args.mode, buckets=buckets, attn_backend=backend, fold_in_place=True)
+    # exact sizes, no padding. As the runner builds it: the layer scales folded into enc's own weights (every
+    # variant below, transformers' included, then runs those weights; `ref` came from the unfolded copy)
+    ce = CompiledEncoder(enc, buckets=list(args.batches))
     variants: dict[str, object] = {"ours-eager": enc, "ours-compiled": ce}
-    if args.vs_mode:  # ours compiled in a second mode, on the same inputs in the same run
-        variants[f"ours-{args.vs_mode}"] = compile_encoder(
-            enc, mode=args.vs_mode, buckets=buckets, attn_backend=backend
-        )
-    if args.unfused_norm:  # residual + layer scale + norm left to Inductor (engine.vit_fused_norm: false)
-        variants["ours-unfused-norm"] = compile_encoder(
-            enc,
-            mode=args.mode,
-            buckets=buckets,
-            attn_backend=backend,
-            fused_norm=False,
-            inplace_residual=False,
-        )
-    if args.sdpa_attn:  # attention through SDPA only (engine.vit_triton_attention: false), same run
-        variants["ours-sdpa-attn"] = compile_encoder(
-            enc, mode=args.mode, buckets=buckets, attn_backend=backend, triton_attn=False
-        )
-    if args.inplace_residual:  # residuals added by the GEMMs in place (internvit_compiled.fast_layer_inplace)
-        # both ways, whichever the default (auto: in place where the weight copies take <= 1 GiB, i.e. the 300M)
-        for vname, on in (("ours-inplace-residual", True), ("ours-not-inplace", False)):
-            variants[vname] = compile_encoder(
-                enc, mode=args.mode, buckets=buckets, attn_backend=backend, inplace_residual=on
-            )
     if args.fp8:  # the layer linears in FP8 e4m3 (engine.vit_fp8), on a copy of the same weights
-        variants["ours-fp8"] = compile_encoder(
-            fp8_vit(copy.deepcopy(enc)), mode=args.mode, buckets=buckets, attn_backend=backend
-        )
+        variants["ours-fp8"] = CompiledEncoder(fp8_vit(copy.deepcopy(enc)), buckets=list(args.batches))
     if not args.skip_hf:
         variants["hf-sdpa"] = hf_forward(hf_model(enc, dev, dtype))
         hf_c = hf_model(enc, dev, dtype)
@@ -399,18 +370,14 @@ def run_model(name: str, args, dev: torch.device, dtype: torch.dtype, ceiling: f
             peak = torch.cuda.max_memory_allocated() if dev.type == "cuda" else 0
             tps = base[vname] = b / sec
             fl = floors_fp8[b] if vname == "ours-fp8" else floors[b]  # each against its own floor
-            mode = {"ours-compiled": args.mode, "ours-fp8": args.mode, f"ours-{args.vs_mode}": args.vs_mode,
-                    "ours-unfused-norm": args.mode, "ours-inplace-residual": args.mode, "ours-sdpa-attn": args.mode,
-                    "ours-not-inplace": args.mode,
-                    "hf-sdpa-compiled": args.hf_mode}.get(vname)  # fmt: skip
+            compiled = vname in ("ours-compiled", "ours-fp8", "hf-sdpa-compiled")
             row = dict(model=name, tiles=b, variant=vname, tiles_per_s=tps, ms=sec * 1e3, iters=iters,
                        floor_tiles_per_s=b / (fl["total_ms"] * 1e-3), floor_vit_tiles_per_s=b / (fl["vit_ms"] * 1e-3),
                        x_floor=tps * fl["total_ms"] * 1e-3 / b, mfu=tps * flops / ceiling,
                        floor_seq_tiles_per_s=b / seq_s, x_floor_seq=tps * seq_s / b if vname != "ours-fp8" else None,
                        peak_gib=peak / 2**30, act_peak_gib=(peak - mem0) / 2**30,
-                       compile_s=first_call[vname, b] if mode else None,  # first call at this shape, one run included
-                       rel_err=errs.get(vname), floor=fl, attn_backend=backend, mode=mode,
-                       buckets=ce.buckets if mode and vname.startswith("ours") else None)  # fmt: skip
+                       compile_s=first_call[vname, b] if compiled else None,  # first call at this shape, one run
+                       rel_err=errs.get(vname), floor=fl)  # fmt: skip
             rows.append(row)
             print(f"{name:>6} {b:4d} {vname:>17}: {tps:8.2f} tiles/s  x{row['x_floor']:.3f} floor  "
                   f"MFU {row['mfu']:.1%}  peak {row['peak_gib']:.1f} GiB", flush=True)  # fmt: skip
@@ -491,41 +458,11 @@ def main() -> None:
     ap.add_argument("--models", default="6b,300m")
     ap.add_argument("--batches", default="16,64,128")
     ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument(
-        "--unfused-norm", action="store_true", help="also ours compiled without the fused residual norm pass"
-    )
-    ap.add_argument(
-        "--inplace-residual",
-        action="store_true",
-        help="also ours compiled with and without the residuals added in place",
-    )
-    ap.add_argument(
-        "--sdpa-attn",
-        action="store_true",
-        help="also ours compiled with SDPA attention only (no Triton kernel)",
-    )
-    ap.add_argument("--vs-mode", default="", help="also run ours compiled in this ViT compile mode")
-    ap.add_argument(
-        "--fp8", action="store_true", help="also run ours with FP8 layer linears (engine.vit_fp8)"
-    )
-    ap.add_argument(
-        "--quick", action="store_true", help="batches 16,64; shorter timing; compile mode default"
-    )
+    ap.add_argument("--fp8", action="store_true", help="also ours with FP8 layer linears (engine.vit_fp8)")
     ap.add_argument(
         "--smoke", action="store_true", help="CPU-friendly: tiny configs, batch 2, 1-2 iterations"
     )
-    ap.add_argument(
-        "--mode", default="tuned", help="ours: ViT compile mode (default | tuned | max-autotune-...)"
-    )
-    ap.add_argument(
-        "--hf-mode", default="max-autotune-no-cudagraphs", help="transformers: torch.compile mode"
-    )
-    ap.add_argument(
-        "--max-bucket", type=int, default=0, help="ours: run tiles in chunks of this (0: exact sizes)"
-    )
-    ap.add_argument(
-        "--attn-backend", default="fastest", help="fastest (of the floor run), flash, cudnn, efficient"
-    )
+    ap.add_argument("--hf-mode", default="default", help="transformers: torch.compile mode")
     ap.add_argument("--target-s", type=float, default=1.0, help="timed seconds per measurement (>= 2 calls)")
     ap.add_argument(
         "--rounds",
@@ -548,12 +485,8 @@ def main() -> None:
     if args.smoke:
         args.models = ",".join(m if m.startswith("tiny") else f"tiny-{m}" for m in args.models.split(","))
         args.batches, args.target_s, args.max_iters = "2", 0.0, 2
-        args.mode = args.hf_mode = "default"
     elif dev.type != "cuda":
         sys.exit("no GPU: run with --smoke on CPU")
-    if args.quick:
-        args.batches = "16,64" if args.batches == "16,64,128" else args.batches
-        args.target_s, args.mode, args.hf_mode = min(args.target_s, 0.5), "default", "default"
     args.batches = sorted(int(b) for b in args.batches.split(","))
     dtype = torch.bfloat16
     ind = torch._inductor.config

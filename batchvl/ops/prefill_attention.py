@@ -159,17 +159,16 @@ def prefill_per_seq(q, k, v, meta: AttnMeta, backend: str = "cudnn") -> torch.Te
 
 def prefill_backend(q_device: torch.device, dtype: torch.dtype, head_dim: int, lengths: list[int],
                     has_prefix: bool, all_heads: bool) -> str:  # fmt: skip
-    """The prefill attention for one packed batch: "cudnn" per sequence on Hopper for long sequences without a cached
-    prefix and with every head on this GPU (under tensor parallelism each call would carry a fraction of the work for
-    the same host cost); else flash "varlen" where it runs; else the "sdpa" reference."""
-    on_cuda = q_device.type == "cuda"
-    varlen = _VARLEN is not None and on_cuda and dtype in (torch.float16, torch.bfloat16) and head_dim <= 256
-    hopper = (
-        on_cuda and torch.backends.cudnn.is_available() and torch.cuda.get_device_capability(q_device)[0] == 9
-    )
+    """The prefill attention for one packed batch: "cudnn" per sequence on Hopper in bf16 / fp16 for long sequences,
+    without a cached prefix and with every head on this GPU (under tensor parallelism each call would carry a
+    fraction of the work for the same host cost); else flash "varlen" where it runs; else the "sdpa" reference."""
+    half = q_device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+    if not half:
+        return "sdpa"
+    hopper = torch.backends.cudnn.is_available() and torch.cuda.get_device_capability(q_device)[0] == 9
     if hopper and all_heads and not has_prefix and sum(lengths) >= PER_SEQ_MIN_MEAN * len(lengths):
         return "cudnn"
-    return "varlen" if varlen else "sdpa"
+    return "varlen" if _VARLEN is not None and head_dim <= 256 else "sdpa"
 
 
 def prefill_attention(q, k, v, meta: AttnMeta, k_cache=None, v_cache=None) -> torch.Tensor:
