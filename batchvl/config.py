@@ -82,10 +82,24 @@ class InternVLConfig:
         return int(self.vision.hidden_size / self.downsample_ratio**2)
 
 
-VIT_300M = dict(hidden_size=1024, num_layers=24, num_heads=16, intermediate_size=4096,
-                norm_type="layer_norm", qk_normalization=False, qkv_bias=True)  # fmt: skip
-VIT_6B = dict(hidden_size=3200, num_layers=45, num_heads=25, intermediate_size=12800,
-              norm_type="rms_norm", qk_normalization=True, qkv_bias=False)  # fmt: skip
+VIT_300M = dict(
+    hidden_size=1024,
+    num_layers=24,
+    num_heads=16,
+    intermediate_size=4096,
+    norm_type="layer_norm",
+    qk_normalization=False,
+    qkv_bias=True,
+)
+VIT_6B = dict(
+    hidden_size=3200,
+    num_layers=45,
+    num_heads=25,
+    intermediate_size=12800,
+    norm_type="rms_norm",
+    qk_normalization=True,
+    qkv_bias=False,
+)
 QWEN_VOCAB = 151674
 INTERNLM2_VOCAB = 92553
 DYN2 = {"type": "dynamic", "factor": 2.0}

@@ -242,8 +242,15 @@ class Engine:
                 self.prefix_cache.popitem(last=False)
 
     # ---- LLM -------------------------------------------------------------------------------------------------
-    def _prefill(self, ids: list[torch.Tensor], feats: list, prefix_lens: list[int], prefixes: list | None,
-                 extra: int, arena: bool = True) -> tuple[torch.Tensor, KVCache]:  # fmt: skip
+    def _prefill(
+        self,
+        ids: list[torch.Tensor],
+        feats: list,
+        prefix_lens: list[int],
+        prefixes: list | None,
+        extra: int,
+        arena: bool = True,
+    ) -> tuple[torch.Tensor, KVCache]:
         """Packed prefill of the new tokens `ids[i]` after `prefix_lens[i]` cached ones.
         Returns last-token logits [B, V] and the batch's KV cache (room for `extra` more tokens); the cache is
         the arena's (rows and length padded for the decode graphs) unless `arena` is off."""
@@ -253,8 +260,9 @@ class Engine:
         if arena:
             cache = self.arena.cache(*self._arena_shape(len(ids), longest + extra))
         else:
-            cache = KVCache(c.num_layers, len(ids), longest + extra, self._n_kv(), c.head_dim, self.device,
-                            self.dtype)  # fmt: skip
+            cache = KVCache(
+                c.num_layers, len(ids), longest + extra, self._n_kv(), c.head_dim, self.device, self.dtype
+            )
         if prefixes:
             for b, pk in enumerate(prefixes):
                 if pk is not None:
@@ -302,14 +310,25 @@ class Engine:
         finally:
             del cache  # free the batch's KV cache, also when a step failed
         end_s = time.perf_counter()
-        stats = {"cache_hit_image": hits, "cached_prefix_tokens": prefix_lens,
-                 "done_s": [d if d is not None else end_s for d in done_s]}  # fmt: skip
+        stats = {
+            "cache_hit_image": hits,
+            "cached_prefix_tokens": prefix_lens,
+            "done_s": [d if d is not None else end_s for d in done_s],
+        }
         return BatchResult(
             out, t_vit.elapsed(), t_pre.elapsed(), t_dec.elapsed(), first_token_s, end_s, stats
         )
 
-    def _decode(self, cache: KVCache, tok: torch.Tensor, lens: list[int], out: list[list[int]], s: Sampling,
-                gen: torch.Generator | None, first_token_s: float) -> list[float | None]:  # fmt: skip
+    def _decode(
+        self,
+        cache: KVCache,
+        tok: torch.Tensor,
+        lens: list[int],
+        out: list[list[int]],
+        s: Sampling,
+        gen: torch.Generator | None,
+        first_token_s: float,
+    ) -> list[float | None]:
         """The remaining tokens of every request, appended to `out`; returns when each request got its last token."""
         dev, n = self.device, len(out)
         stops = set(s.stop_token_ids) | (set() if s.ignore_eos else set(self.eos))

@@ -76,7 +76,9 @@ class EngineSpec:
     image_cache: bool = False  # encode an identical image once (content hash)
     prefix_cache: bool = False  # reuse the KV of system prompt + image across rows
     vit_fp8: bool = False  # ViT linears in FP8 e4m3: faster on the 6B, less accurate; model.tp 1 only
-    vit_mode: str = "auto"  # with model.tp > 1: "tp" (sharded ViT) or "dp" (replicated); auto: a cost model picks
+    vit_mode: str = (
+        "auto"  # with model.tp > 1: "tp" (sharded ViT) or "dp" (replicated); auto: a cost model picks
+    )
     eager: bool = False  # for debugging: no torch.compile and no CUDA graphs
 
 

@@ -372,10 +372,13 @@ class Pipeline:
         from batchvl.engine import Request
 
         return [
-            Request(torch.tensor(it.prepared.input_ids, dtype=torch.int64), it.prepared.pixel_values,
-                    it.prepared.image_key)
+            Request(
+                torch.tensor(it.prepared.input_ids, dtype=torch.int64),
+                it.prepared.pixel_values,
+                it.prepared.image_key,
+            )
             for it in batch
-        ]  # fmt: skip
+        ]
 
     def _run_batch(self, batch: list[Item]) -> None:
         """One whole engine call; on an exception retry the rows one at a time, then give up on failing ones."""
@@ -435,9 +438,11 @@ class Pipeline:
         dt = max(time.perf_counter() - self.t0, 1e-9)
         c = self.counts
         self.progress.set_postfix(
-            in_tok_s=f"{c['input_tokens'] / dt:.0f}", out_tok_s=f"{c['output_tokens'] / dt:.1f}",
-            errors=c["errors"], refresh=False,
-        )  # fmt: skip
+            in_tok_s=f"{c['input_tokens'] / dt:.0f}",
+            out_tok_s=f"{c['output_tokens'] / dt:.1f}",
+            errors=c["errors"],
+            refresh=False,
+        )
 
 
 def write_rows(writer: PartWriter | None) -> Callable[[dict], None]:

@@ -92,11 +92,17 @@ def build_engine(
 def preprocess_config(job: Job, cfg: InternVLConfig) -> PreprocessConfig:
     p = job.preprocess
     return PreprocessConfig(
-        image_size=cfg.vision.image_size, min_tiles=p.min_tiles, max_tiles=p.max_tiles,
-        use_thumbnail=p.use_thumbnail, num_image_token=cfg.num_image_token, template=cfg.template,
-        system_message=p.system_message, max_input_tokens=p.max_input_tokens, overlong=p.overlong,
+        image_size=cfg.vision.image_size,
+        min_tiles=p.min_tiles,
+        max_tiles=p.max_tiles,
+        use_thumbnail=p.use_thumbnail,
+        num_image_token=cfg.num_image_token,
+        template=cfg.template,
+        system_message=p.system_message,
+        max_input_tokens=p.max_input_tokens,
+        overlong=p.overlong,
         max_image_pixels=p.max_image_pixels,
-    )  # fmt: skip
+    )
 
 
 def stop_token_ids(tokenizer: Any) -> tuple[int, ...]:
@@ -151,18 +157,28 @@ def run_job(
     tokenizer = load_tokenizer(tok_path, m.trust_remote_code)
     ctx_id = image_token_ids(tokenizer)["img_context"]
     if cfg.image_token_id >= 0 and ctx_id != cfg.image_token_id:
-        raise JobError(f"job.model: tokenizer's <IMG_CONTEXT> id {ctx_id} != the model's image_token_id "
-                       f"{cfg.image_token_id}; set model.tokenizer to the model's tokenizer")  # fmt: skip
+        raise JobError(
+            f"job.model: tokenizer's <IMG_CONTEXT> id {ctx_id} != the model's image_token_id "
+            f"{cfg.image_token_id}; set model.tokenizer to the model's tokenizer"
+        )
     pre = Preprocessor(preprocess_config(job, cfg), tok_path, m.trust_remote_code)
     previous = (read_manifest(out) or {}) if decision == "resume" else {}
     manifest = {
-        "job": job_to_dict(job), "job_fingerprint": job_fp, "model_fingerprint": model_fp,
+        "job": job_to_dict(job),
+        "job_fingerprint": job_fp,
+        "model_fingerprint": model_fp,
         "model": {"config": config_to_dict(cfg), "dtype": str(dtype), "device": str(device)},
-        "versions": versions(), "world_size": ctx.world_size, "replicas": ctx.num_replicas, "tp": ctx.tp,
+        "versions": versions(),
+        "world_size": ctx.world_size,
+        "replicas": ctx.num_replicas,
+        "tp": ctx.tp,
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.machine()})",
-        "started_at": _now(), "ended_at": None, "status": "running", "decision": decision,
+        "started_at": _now(),
+        "ended_at": None,
+        "status": "running",
+        "decision": decision,
         "runs": previous.get("runs", []),
-    }  # fmt: skip
+    }
     if ctx.is_main:
         write_manifest(out, manifest)
     p = job.preprocess
@@ -175,8 +191,16 @@ def run_job(
         log.info("model ready in %.1f s (%s, %s, %s)", load_s, m.path or m.preset, device, dtype)
         g = job.generation
         sampling = _sampling(g)
-        flow = Flow(engine, pre, lambda ids: tokenizer.decode(ids, skip_special_tokens=True), sampling,
-                    job.engine.max_prefill_tokens, job.engine.max_vit_tiles, p.workers, p.prefetch)  # fmt: skip
+        flow = Flow(
+            engine,
+            pre,
+            lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+            sampling,
+            job.engine.max_prefill_tokens,
+            job.engine.max_vit_tiles,
+            p.workers,
+            p.prefetch,
+        )
         done = done_ids(out) if decision == "resume" else set()
         writer = PartWriter(out, ctx.rank, job.output.rows_per_part) if ctx.is_writer else None
         total = count_rows(job.data)
@@ -211,8 +235,16 @@ def run_job(
     dist.barrier(ctx)
     if not ctx.is_main:
         return None
-    runs = manifest["runs"] + [{"started_at": manifest["started_at"], "ended_at": _now(), "duration_s": duration,
-                                "load_s": load_s, "world_size": ctx.world_size, "counts": all_counts}]  # fmt: skip
+    runs = manifest["runs"] + [
+        {
+            "started_at": manifest["started_at"],
+            "ended_at": _now(),
+            "duration_s": duration,
+            "load_s": load_s,
+            "world_size": ctx.world_size,
+            "counts": all_counts,
+        }
+    ]
     summary = summarize(read_rows(out), sum(r["duration_s"] for r in runs))
     write_summary(out, summary)
     write_manifest(out, manifest | {"ended_at": runs[-1]["ended_at"], "status": "done", "runs": runs})
@@ -257,8 +289,13 @@ def run_file(job_file: str, sets: tuple[str, ...] = (), overwrite: bool = False)
 
 
 _JOB_ARG = click.argument("job_file", type=click.Path(exists=True, dir_okay=False))
-_SET_OPT = click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
-                        help="Override a job key, e.g. --set output.dir=runs/x (YAML scalar rules).")  # fmt: skip
+_SET_OPT = click.option(
+    "--set",
+    "sets",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Override a job key, e.g. --set output.dir=runs/x (YAML scalar rules).",
+)
 _OVERWRITE_OPT = click.option("--overwrite", is_flag=True, help="Delete earlier results in output.dir first.")
 
 

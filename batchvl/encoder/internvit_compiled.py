@@ -135,8 +135,13 @@ def fast_head(projector: Projector, x: Tensor, ratio: float) -> Tensor:
     return projector(vit_to_tokens(x, ratio))
 
 
-def fast_forward(enc: VisionEncoder, pixel_values: Tensor, embed: Callable = fast_embed,
-                 layer_fn: Callable = fast_layer, head: Callable = fast_head) -> Tensor:  # fmt: skip
+def fast_forward(
+    enc: VisionEncoder,
+    pixel_values: Tensor,
+    embed: Callable = fast_embed,
+    layer_fn: Callable = fast_layer,
+    head: Callable = fast_head,
+) -> Tensor:
     """The whole encoder through `fast_layer` (pass compiled pieces to run compiled)."""
     layers = enc.vit.layers
     x, h = embed(enc.vit.embeddings, layers[0].norm1, pixel_values)  # [B, 1+N, C] x2
@@ -145,8 +150,13 @@ def fast_forward(enc: VisionEncoder, pixel_values: Tensor, embed: Callable = fas
     return head(enc.projector, x, enc.cfg.downsample_ratio)  # [B, num_image_token, H]
 
 
-def fast_forward_inplace(enc: VisionEncoder, pixel_values: Tensor, embed: Callable = fast_embed,
-                         layer_fn: Callable = fast_layer_inplace, head: Callable = fast_head) -> Tensor:  # fmt: skip
+def fast_forward_inplace(
+    enc: VisionEncoder,
+    pixel_values: Tensor,
+    embed: Callable = fast_embed,
+    layer_fn: Callable = fast_layer_inplace,
+    head: Callable = fast_head,
+) -> Tensor:
     """The whole encoder through `fast_layer_inplace`; `enc`'s layer scales must be folded (`fold_scales`)."""
     layers = enc.vit.layers
     x, h = embed(enc.vit.embeddings, layers[0].norm1, pixel_values)  # [B, 1+N, C] x2

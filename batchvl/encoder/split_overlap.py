@@ -296,8 +296,10 @@ def vit_mode_costs(
     out_bytes = tiles * cfg.num_image_token * cfg.llm.hidden_size * bytes_el
     dp = math.ceil(tiles / world) * t_tile + (world - 1) / world * out_bytes / p["bus_bw"] + p["latency_s"]
     # the slowest rank holds the most heads / MLP columns
-    skew = (attn * max(split_sizes(v.num_heads, world)) / v.num_heads
-            + mlp * max(split_sizes(v.intermediate_size, world)) / v.intermediate_size) / (attn + mlp)  # fmt: skip
+    skew = (
+        attn * max(split_sizes(v.num_heads, world)) / v.num_heads
+        + mlp * max(split_sizes(v.intermediate_size, world)) / v.intermediate_size
+    ) / (attn + mlp)
     compute = tiles * t_tile * skew / p["tp_gemm_eff"]
     act = tiles * (v.num_patches + 1) * v.hidden_size * bytes_el
     per_layer = 2 * coll(act) + (coll(tiles * (v.num_patches + 1) * 8) if v.qk_normalization else 0.0)

@@ -28,8 +28,14 @@ def decode_forward(llm, tok: torch.Tensor, pos: torch.Tensor, cache: KVCache) ->
     No host syncs, so it can be captured."""
     rows = tok.shape[0]
     idx = torch.arange(rows, device=tok.device)
-    meta = AttnMeta(cu_seqlens=torch.arange(rows + 1, device=tok.device, dtype=torch.int32), max_seqlen=1,
-                    slot_b=idx, slot_pos=pos, is_decode=True, kv_lens=pos + 1)  # fmt: skip
+    meta = AttnMeta(
+        cu_seqlens=torch.arange(rows + 1, device=tok.device, dtype=torch.int32),
+        max_seqlen=1,
+        slot_b=idx,
+        slot_pos=pos,
+        is_decode=True,
+        kv_lens=pos + 1,
+    )
     h = llm(llm.embed_tokens(tok), pos, meta, cache, max_position=-1)  # positions checked by the caller
     return llm.logits(h)
 
@@ -60,8 +66,11 @@ class DecodeStep:
             try:
                 g = self._capture(tok, pos, cache)
             except Exception as e:  # noqa: BLE001 - a job should slow down, not fail: decode eagerly from now on
-                log.warning("CUDA graph capture of the decode step failed (%s: %s); decoding eagerly from now on",
-                            type(e).__name__, e)  # fmt: skip
+                log.warning(
+                    "CUDA graph capture of the decode step failed (%s: %s); decoding eagerly from now on",
+                    type(e).__name__,
+                    e,
+                )
                 self.graphs, self.failed = False, f"{type(e).__name__}: {e}"
                 self.cache.clear()
                 if tok.is_cuda:

@@ -170,9 +170,14 @@ class Decoder(nn.Module):
             raise ValueError(f"position {top} is past max_position_embeddings={self.rotary.max_pos}")
 
     def forward(
-        self, h: torch.Tensor, pos: torch.Tensor, meta: AttnMeta, cache: KVCache | None,
-        max_position: int | None = None, last: torch.Tensor | None = None,
-    ) -> torch.Tensor:  # fmt: skip
+        self,
+        h: torch.Tensor,
+        pos: torch.Tensor,
+        meta: AttnMeta,
+        cache: KVCache | None,
+        max_position: int | None = None,
+        last: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """h [T, hidden] input embeddings, pos [T] -> final-normed hidden [T, hidden].
         max_position: the largest of `pos` when the caller knows it (no device sync); -1: checked already.
         last: rows [B] (each sequence's last token, in a prefill into `cache`) -> only those rows, [B, hidden]. No

@@ -12,8 +12,18 @@ import torch
 class KVCache:
     """k, v: [layers, rows, kv_heads, max_len, head_dim] (heads before positions, as attention reads them)."""
 
-    def __init__(self, num_layers: int, rows: int, max_len: int, kv_heads: int, head_dim: int, device, dtype,
-                 storage: tuple[torch.Tensor, torch.Tensor] | None = None, clear: bool = True):  # fmt: skip
+    def __init__(
+        self,
+        num_layers: int,
+        rows: int,
+        max_len: int,
+        kv_heads: int,
+        head_dim: int,
+        device,
+        dtype,
+        storage: tuple[torch.Tensor, torch.Tensor] | None = None,
+        clear: bool = True,
+    ):
         shape = (num_layers, rows, kv_heads, max_len, head_dim)
         # zeros, not empty: the reference decode attention (masked SDPA) multiplies masked-out slots by 0 (0 * NaN
         # would be NaN)
@@ -69,5 +79,14 @@ class KVArena:
             self.k = torch.zeros(n, device=self.device, dtype=self.dtype)
             self.v = torch.zeros(n, device=self.device, dtype=self.dtype)
             self.generation += 1
-        return KVCache(self.num_layers, rows, max_len, self.kv_heads, self.head_dim, self.device, self.dtype,
-                       storage=(self.k[:n], self.v[:n]), clear=self.clear)  # fmt: skip
+        return KVCache(
+            self.num_layers,
+            rows,
+            max_len,
+            self.kv_heads,
+            self.head_dim,
+            self.device,
+            self.dtype,
+            storage=(self.k[:n], self.v[:n]),
+            clear=self.clear,
+        )

@@ -63,8 +63,13 @@ def shard_llm(llm: Decoder, rank: int, world: int, group=None):
         if not name.startswith("llm.layers."):
             return t
         if name.endswith((".attn.qkv.weight", ".attn.qkv.bias")):
-            return torch.cat([rows(t, 0, q_full, nh * hd), rows(t, q_full, kv_full, nkv * hd),
-                              rows(t, q_full + kv_full, kv_full, nkv * hd)])  # fmt: skip
+            return torch.cat(
+                [
+                    rows(t, 0, q_full, nh * hd),
+                    rows(t, q_full, kv_full, nkv * hd),
+                    rows(t, q_full + kv_full, kv_full, nkv * hd),
+                ]
+            )
         if name.endswith(".mlp.gate_up.weight"):
             return torch.cat([rows(t, 0, 1, inter), rows(t, c.intermediate_size, 1, inter)])
         if name.endswith(".attn.o_proj.weight"):

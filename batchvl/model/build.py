@@ -28,9 +28,12 @@ TP_VIT_MICRO_BATCHES = (
 
 
 def build_model(
-    spec: ModelSpec, settings: EngineSpec, device: torch.device, dtype: torch.dtype,
+    spec: ModelSpec,
+    settings: EngineSpec,
+    device: torch.device,
+    dtype: torch.dtype,
     ctx: dist.DistContext | None = None,
-) -> tuple[InternVL, Callable[[torch.Tensor], torch.Tensor]]:  # fmt: skip
+) -> tuple[InternVL, Callable[[torch.Tensor], torch.Tensor]]:
     """(model, encode): the model on `device` (this rank's slice of the LLM under model.tp > 1) and the ViT callable
     tiles [N, 3, S, S] -> image tokens [N, 256, hidden]."""
     hooks: dict[str, Any] = {}

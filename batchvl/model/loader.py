@@ -113,8 +113,10 @@ def plan(model: InternVL, keys: set[str], llm_arch: str | None = None) -> dict[s
     (e.g. "qwen2" names for an InternLM2 decoder held as transformers' Llama)."""
     layout, prefix, head = detect_layout(keys)
     strip = "model." if layout == "transformers-model" else ""
-    rules = [(re.compile(p), [strip + s if not s.startswith(prefix) else s for s in src])
-             for p, src in _vision_rules("opengvlab" if layout == "opengvlab" else "transformers")]  # fmt: skip
+    rules = [
+        (re.compile(p), [strip + s if not s.startswith(prefix) else s for s in src])
+        for p, src in _vision_rules("opengvlab" if layout == "opengvlab" else "transformers")
+    ]
     rules += [
         (re.compile(p), list(src)) for p, src in _llm_rules(llm_arch or model.cfg.llm.arch, prefix, head)
     ]
@@ -240,8 +242,10 @@ def load_model(
         ignored |= {k for k in keys if k in ("lm_head.weight", "language_model.lm_head.weight")}
     unexpected = sorted(keys - used - ignored)
     if unexpected:
-        raise CheckpointError(f"unexpected tensors in {path}: {', '.join(unexpected[:8])}" +
-                              (f" (+{len(unexpected) - 8} more)" if len(unexpected) > 8 else ""))  # fmt: skip
+        raise CheckpointError(
+            f"unexpected tensors in {path}: {', '.join(unexpected[:8])}"
+            + (f" (+{len(unexpected) - 8} more)" if len(unexpected) > 8 else "")
+        )
     return model.eval(), cfg
 
 

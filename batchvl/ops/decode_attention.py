@@ -50,10 +50,29 @@ if triton is not None:
 
     @triton.jit
     def _decode_partial_kernel(
-        Q, K, V, LENS, PM, PL, PA, S, CHUNK, qk_scale,
-        stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-        REP: tl.constexpr, REP_P: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-    ):  # fmt: skip
+        Q,
+        K,
+        V,
+        LENS,
+        PM,
+        PL,
+        PA,
+        S,
+        CHUNK,
+        qk_scale,
+        stride_qb,
+        stride_qh,
+        stride_kb,
+        stride_kh,
+        stride_ks,
+        stride_vb,
+        stride_vh,
+        stride_vs,
+        REP: tl.constexpr,
+        REP_P: tl.constexpr,
+        D: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
         """One (row, kv head, chunk): its REP query heads against keys [chunk * CHUNK, +CHUNK) below LENS[row] (and S).
         Partials PM / PL [B, H, NS] and PA [B, H, NS, D] (fp32); an empty chunk writes max -inf, sum 0."""
         b, hk, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -133,8 +152,14 @@ def num_chunks(rows: int, kv_heads: int, max_len: int, block_n: int = BLOCK_N) -
     return max(1, min(want, -(-max_len // block_n)))
 
 
-def _decode_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, kv_lens: Tensor, block_n: int = BLOCK_N,
-                             chunks: int | None = None) -> Tensor:  # fmt: skip
+def _decode_attention_triton(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    kv_lens: Tensor,
+    block_n: int = BLOCK_N,
+    chunks: int | None = None,
+) -> Tensor:
     B, H, D = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
     rep = H // Hkv
@@ -147,11 +172,31 @@ def _decode_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, kv_len
     pl, pa = torch.empty_like(pm), torch.empty(B, H, ns, D, device=q.device, dtype=torch.float32)
     out = torch.empty(B, H, D, device=q.device, dtype=q.dtype)
     _decode_partial_kernel[(B, Hkv, ns)](
-        q, k_cache, v_cache, kv_lens, pm, pl, pa, S, chunk, D**-0.5 * math.log2(math.e),
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        REP=rep, REP_P=max(16, triton.next_power_of_2(rep)), D=D, BLOCK_N=block_n, num_warps=4, num_stages=3,
-    )  # fmt: skip
+        q,
+        k_cache,
+        v_cache,
+        kv_lens,
+        pm,
+        pl,
+        pa,
+        S,
+        chunk,
+        D**-0.5 * math.log2(math.e),
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        REP=rep,
+        REP_P=max(16, triton.next_power_of_2(rep)),
+        D=D,
+        BLOCK_N=block_n,
+        num_warps=4,
+        num_stages=3,
+    )
     _decode_merge_kernel[(B * H,)](pm, pl, pa, out, NS=ns, NS_P=triton.next_power_of_2(ns), D=D)
     return out
 

@@ -26,10 +26,21 @@ if triton is not None:
 
     @triton.jit
     def _norm_kernel(
-        X, SHIFT, W, NB, HO, M, C, stride_x, eps,
-        HAS_SHIFT: tl.constexpr, HAS_NB: tl.constexpr, RMS: tl.constexpr, BLOCK_C: tl.constexpr,
+        X,
+        SHIFT,
+        W,
+        NB,
+        HO,
+        M,
+        C,
+        stride_x,
+        eps,
+        HAS_SHIFT: tl.constexpr,
+        HAS_NB: tl.constexpr,
+        RMS: tl.constexpr,
+        BLOCK_C: tl.constexpr,
         ROWS: tl.constexpr,
-    ):  # fmt: skip
+    ):
         """ROWS rows per program: HO = norm(X + SHIFT); X's rows stride_x apart, HO's C."""
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # [ROWS]
         cols = tl.arange(0, BLOCK_C)
@@ -67,10 +78,22 @@ def _launch(
     M, C = x.shape
     rows, warps = launch_config(C)
     _norm_kernel[(triton.cdiv(M, rows),)](
-        x, shift if shift is not None else x, w, nb if nb is not None else w, ho, M, C, x.stride(0), eps,
-        HAS_SHIFT=shift is not None, HAS_NB=nb is not None, RMS=rms, BLOCK_C=triton.next_power_of_2(C),
-        ROWS=rows, num_warps=warps,
-    )  # fmt: skip
+        x,
+        shift if shift is not None else x,
+        w,
+        nb if nb is not None else w,
+        ho,
+        M,
+        C,
+        x.stride(0),
+        eps,
+        HAS_SHIFT=shift is not None,
+        HAS_NB=nb is not None,
+        RMS=rms,
+        BLOCK_C=triton.next_power_of_2(C),
+        ROWS=rows,
+        num_warps=warps,
+    )
 
 
 def shifted_norm_reference(

@@ -157,8 +157,14 @@ def prefill_per_seq(q, k, v, meta: AttnMeta, backend: str = "cudnn") -> torch.Te
     return causal_attn_per_seq(q, k, v.contiguous(), cu, backend)
 
 
-def prefill_backend(q_device: torch.device, dtype: torch.dtype, head_dim: int, lengths: list[int],
-                    has_prefix: bool, all_heads: bool) -> str:  # fmt: skip
+def prefill_backend(
+    q_device: torch.device,
+    dtype: torch.dtype,
+    head_dim: int,
+    lengths: list[int],
+    has_prefix: bool,
+    all_heads: bool,
+) -> str:
     """The prefill attention for one packed batch: "cudnn" per sequence on Hopper in bf16 / fp16 for long sequences,
     without a cached prefix and with every head on this GPU (under tensor parallelism each call would carry a
     fraction of the work for the same host cost); else flash "varlen" where it runs; else the "sdpa" reference."""

@@ -8,7 +8,9 @@ import inspect
 import torch
 
 
-def sdpa_context(backend: str = "auto", device: torch.device | str = "cpu") -> contextlib.AbstractContextManager:
+def sdpa_context(
+    backend: str = "auto", device: torch.device | str = "cpu"
+) -> contextlib.AbstractContextManager:
     """Prefer one SDPA backend ("flash" | "cudnn" | "efficient" | "math"); "auto" keeps torch's choice."""
     if backend == "auto" or torch.device(device).type != "cuda":
         return contextlib.nullcontext()

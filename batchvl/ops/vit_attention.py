@@ -71,8 +71,25 @@ MAX_GRID_Y = 65535  # the grid is (query blocks, tiles * heads): the blocks of o
 if triton is not None:
 
     @triton.jit
-    def _cls_partial(k, v, RKS, PM, PL, PA, krows, q0, k0, v0, ks0, qk_scale, d, part, first,
-                     NORM: tl.constexpr, D: tl.constexpr):  # fmt: skip
+    def _cls_partial(
+        k,
+        v,
+        RKS,
+        PM,
+        PL,
+        PA,
+        krows,
+        q0,
+        k0,
+        v0,
+        ks0,
+        qk_scale,
+        d,
+        part,
+        first,
+        NORM: tl.constexpr,
+        D: tl.constexpr,
+    ):
         """The CLS query against one program's patch keys k, v [BLOCK, D] (rows krows; program 0: and the CLS key):
         its partial (max, sum, output) for `_cls_merge_kernel`."""
         s0 = tl.sum(k.to(tl.float32) * q0[None, :], axis=1)  # [BLOCK]
@@ -102,8 +119,20 @@ if triton is not None:
         return m_new, l_i, acc
 
     @triton.jit
-    def _load_kv(QKV, KDESC, base, base32, j, kcol, vcol, kc0, vc0, stride_row, BLOCK_N: tl.constexpr,
-                 TMA: tl.constexpr):  # fmt: skip
+    def _load_kv(
+        QKV,
+        KDESC,
+        base,
+        base32,
+        j,
+        kcol,
+        vcol,
+        kc0,
+        vc0,
+        stride_row,
+        BLOCK_N: tl.constexpr,
+        TMA: tl.constexpr,
+    ):
         """Patch keys j .. j + BLOCK_N - 1 of one (tile, head): k, v [BLOCK_N, D] and their rows [BLOCK_N].
         kc0, vc0: the head's first k / v column (the TMA boxes' column coordinates)."""
         krows = base + 1 + j + tl.arange(0, BLOCK_N)
@@ -117,13 +146,30 @@ if triton is not None:
 
     @triton.jit
     def _vit_attn_kernel(
-        QKV, OUT, RQ, RKS, G, PM, PL, PA, T, H, C, stride_row, qk_scale, QDESC, KDESC,
-        NORM: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        TMA: tl.constexpr = False, CLS: tl.constexpr = True,
-    ):  # fmt: skip
+        QKV,
+        OUT,
+        RQ,
+        RKS,
+        G,
+        PM,
+        PL,
+        PA,
+        T,
+        H,
+        C,
+        stride_row,
+        qk_scale,
+        QDESC,
+        KDESC,
+        NORM: tl.constexpr,
+        D: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        TMA: tl.constexpr = False,
+    ):
         """RQ: rstd_q per row; RKS: rstd_k * scale * log2(e) per row; G: w_q * w_k (all fp32; NORM only).
         TMA: q, k, v tiles loaded through the tensor descriptors QDESC ([BLOCK_M, D] boxes) and KDESC ([BLOCK_N, D])
-        over the qkv rows. CLS=False (timing only) leaves the CLS token out."""
+        over the qkv rows."""
         pid_m = tl.program_id(0)  # which BLOCK_M patch queries (and patch keys, for the CLS query's partial)
         bh = tl.program_id(1)
         nq = tl.num_programs(0)
@@ -148,25 +194,20 @@ if triton is not None:
         else:
             ks0 = qk_scale
         # the CLS key first, a rank-one step: the running max is its score, the sum 1, the output v_cls
-        if CLS:
-            m_i = tl.sum(q.to(tl.float32) * k0[None, :], axis=1) * ks0  # [BLOCK_M]
-            l_i = tl.zeros([BLOCK_M], tl.float32) + 1.0
-            acc = tl.zeros([BLOCK_M, D], tl.float32) + v0[None, :]
-        else:  # timing only (bench/probe.py): the patch keys alone
-            m_i = tl.zeros([BLOCK_M], tl.float32) - float("inf")
-            l_i = tl.zeros([BLOCK_M], tl.float32)
-            acc = tl.zeros([BLOCK_M, D], tl.float32)
+        m_i = tl.sum(q.to(tl.float32) * k0[None, :], axis=1) * ks0  # [BLOCK_M]
+        l_i = tl.zeros([BLOCK_M], tl.float32) + 1.0
+        acc = tl.zeros([BLOCK_M, D], tl.float32) + v0[None, :]
         kc0, vc0 = C + h * D, 2 * C + h * D
         for j in tl.range(0, T - 1, BLOCK_N):  # the patch keys, full blocks
             k, v, krows = _load_kv(
                 QKV, KDESC, base, base32, j, kcol, vcol, kc0, vc0, stride_row, BLOCK_N, TMA
             )
             m_i, l_i, acc = _attend_block(q, k, v, m_i, l_i, acc, RKS, krows, qk_scale, NORM)
-        if CLS:  # after the key loop, before the output's store: the partial's tiles are this program's rows as keys
-            k = tl.load(QKV + rows[:, None] * stride_row + kcol[None, :])  # [BLOCK_M, D]
-            v = tl.load(QKV + rows[:, None] * stride_row + vcol[None, :])
-            part = bh * nq + pid_m
-            _cls_partial(k, v, RKS, PM, PL, PA, rows, q0, k0, v0, ks0, qk_scale, d, part, pid_m == 0, NORM, D)
+        # the CLS query's partial over this program's rows as keys
+        k = tl.load(QKV + rows[:, None] * stride_row + kcol[None, :])  # [BLOCK_M, D]
+        v = tl.load(QKV + rows[:, None] * stride_row + vcol[None, :])
+        part = bh * nq + pid_m
+        _cls_partial(k, v, RKS, PM, PL, PA, rows, q0, k0, v0, ks0, qk_scale, d, part, pid_m == 0, NORM, D)
         tl.store(OUT + rows[:, None] * C + qcol[None, :], (acc / l_i[:, None]).to(OUT.dtype.element_ty))
 
     @triton.jit
@@ -222,11 +263,16 @@ def _(qkv, T, H, scale, wq, wk, eps):
 
 
 def _vit_attention_triton(
-    qkv: Tensor, T: int, H: int, scale: float, wq: Tensor | None, wk: Tensor | None, eps: float,
-    cfg: tuple, cls: bool = True,
-) -> Tensor:  # fmt: skip
-    """cfg: (BLOCK_M, BLOCK_N, warps, stages[, TMA]); cls=False (timing only) leaves the CLS
-    token out: the patch rows then attend to the patch keys alone and row 0 is garbage."""
+    qkv: Tensor,
+    T: int,
+    H: int,
+    scale: float,
+    wq: Tensor | None,
+    wk: Tensor | None,
+    eps: float,
+    cfg: tuple,
+) -> Tensor:
+    """cfg: (BLOCK_M, BLOCK_N, warps, stages[, TMA loads])."""
     block_m, block_n, warps, stages = cfg[:4]
     tma = len(cfg) > 4 and cfg[4]
     if qkv.stride(1) != 1:
@@ -254,9 +300,28 @@ def _vit_attention_triton(
 
         qd, kd = (TensorDescriptor.from_tensor(qkv, [b_, D]) for b_ in (block_m, block_n))
     _vit_attn_kernel[(nq, B * H)](
-        qkv, o, rq, rk, g, pm, pl, pa, T, H, C, qkv.stride(0), scale * math.log2(math.e), qd, kd,
-        NORM=norm, D=D, BLOCK_M=block_m, BLOCK_N=block_n, TMA=tma, CLS=cls, num_warps=warps, num_stages=stages,
-    )  # fmt: skip
-    if cls:
-        _cls_merge_kernel[(B * H,)](pm, pl, pa, o, T, H, C, NQ=nq, D=D)
+        qkv,
+        o,
+        rq,
+        rk,
+        g,
+        pm,
+        pl,
+        pa,
+        T,
+        H,
+        C,
+        qkv.stride(0),
+        scale * math.log2(math.e),
+        qd,
+        kd,
+        NORM=norm,
+        D=D,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        TMA=tma,
+        num_warps=warps,
+        num_stages=stages,
+    )
+    _cls_merge_kernel[(B * H,)](pm, pl, pa, o, T, H, C, NQ=nq, D=D)
     return o
