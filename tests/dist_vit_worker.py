@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from batchvl.encoder.internvit import VisionEncoder
 from batchvl.encoder.split_overlap import DPVisionEncoder, TPVisionEncoder
-from batchvl.model.config import InternVLConfig, LLMConfig, VisionConfig
+from batchvl.config import InternVLConfig, LLMConfig, VisionConfig
 
 KINDS = {
     "6b": dict(norm_type="rms_norm", qk_normalization=True, qkv_bias=False),

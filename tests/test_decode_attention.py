@@ -9,7 +9,7 @@ import pytest
 import torch
 from test_bench import _run_interpreted
 
-from batchvl.llm.decode_attention import (
+from batchvl.ops.decode_attention import (
     decode_attention,
     decode_attention_reference,
     kernel_ok,
@@ -68,7 +68,7 @@ def test_kernel_runs_and_the_arena_clears_only_for_the_reference() -> None:
 
 def test_engine_clears_its_arena_only_without_the_kernel() -> None:
     from batchvl.engine import Engine, EngineConfig
-    from batchvl.model.config import from_preset
+    from batchvl.config import from_preset
     from batchvl.model.loader import random_model
 
     model, cfg = random_model(from_preset("tiny-qwen2"))
@@ -85,8 +85,8 @@ def test_engine_through_the_kernel_with_an_uncleared_arena() -> None:
         import torch
         import batchvl.llm.decoder as decoder
         from batchvl.engine import Engine, EngineConfig, Request, Sampling
-        from batchvl.llm.decode_attention import decode_attention_reference
-        from batchvl.model.config import from_preset
+        from batchvl.ops.decode_attention import decode_attention_reference
+        from batchvl.config import from_preset
         from batchvl.model.loader import random_model
         model, cfg = random_model(from_preset("tiny-qwen2"), seed=3)
         g = torch.Generator().manual_seed(0)
@@ -126,7 +126,7 @@ def test_kernel_in_the_interpreter() -> None:
     code = textwrap.dedent(
         """
         import torch
-        from batchvl.llm.decode_attention import (
+        from batchvl.ops.decode_attention import (
             _decode_attention_triton, decode_attention, decode_attention_reference, kernel_ok)
         torch.manual_seed(0)
         worst = {}

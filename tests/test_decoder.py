@@ -8,11 +8,11 @@ import torch
 from conftest import tiny_hf_config
 
 from batchvl.engine import packed_meta
-from batchvl.llm.attention import AttnMeta
+from batchvl.ops.prefill_attention import AttnMeta
 from batchvl.llm.decoder import Decoder
 from batchvl.llm.kv_cache import KVCache
 from batchvl.llm.sampling import sample
-from batchvl.model.config import LLMConfig
+from batchvl.config import LLMConfig
 from batchvl.model.loader import init_random, load_model
 
 TOL = dict(atol=2e-5, rtol=1e-4)

@@ -256,7 +256,7 @@ def test_auto_prefill_attention_goes_per_sequence_only_where_measured_faster(mon
     a batch's sequences average >= PER_SEQ_MIN_MEAN tokens, and with varlen/sdpa otherwise (many short sequences:
     per-call host cost) and after a cached prefix; the tokens equal the reference path's either way."""
     from batchvl.llm import decoder
-    from batchvl.llm.attention import PER_SEQ_MIN_MEAN
+    from batchvl.ops.prefill_attention import PER_SEQ_MIN_MEAN
 
     model, cfg = _model()
     s = Sampling(max_new_tokens=3, ignore_eos=True)

@@ -10,7 +10,7 @@ import torch
 from test_bench import _run_interpreted
 from test_internvit import build_pair
 
-from batchvl.encoder.fused_norm import norm_params, residual_norm
+from batchvl.ops.fused_norm import norm_params, residual_norm
 from batchvl.encoder.internvit import RMSNorm
 from batchvl.encoder.internvit_compiled import compile_encoder, fast_forward
 
@@ -43,7 +43,7 @@ def test_triton_kernel_in_the_interpreter() -> None:
     code = textwrap.dedent(
         """
         import torch
-        from batchvl.encoder.fused_norm import _use_triton, residual_norm, residual_norm_reference
+        from batchvl.ops.fused_norm import _use_triton, residual_norm, residual_norm_reference
         assert _use_triton(torch.zeros(1))  # the interpreter path, not the CPU fallback
         assert not _use_triton(torch.zeros(1, 8193))  # too wide for one row in registers: the reference
         torch.manual_seed(0)
@@ -75,7 +75,7 @@ def test_kernel_rows_per_program_in_the_interpreter() -> None:
     code = textwrap.dedent(
         """
         import torch
-        from batchvl.encoder.fused_norm import _launch, residual_norm_reference, shifted_norm_reference
+        from batchvl.ops.fused_norm import _launch, residual_norm_reference, shifted_norm_reference
         torch.manual_seed(0)
         for C, rms in ((100, True), (64, False)):
             x, y, b, ls = torch.randn(7, C), torch.randn(7, C), torch.randn(C), torch.randn(C)
@@ -174,7 +174,7 @@ def test_shifted_norm_kernel_in_the_interpreter() -> None:
     code = textwrap.dedent(
         """
         import torch
-        from batchvl.encoder.fused_norm import shifted_norm, shifted_norm_reference
+        from batchvl.ops.fused_norm import shifted_norm, shifted_norm_reference
         from batchvl.encoder.internvit import RMSNorm
         torch.manual_seed(0)
         for C, rms, hnb in ((64, False, True), (100, True, False), (96, False, False)):
@@ -206,7 +206,7 @@ def test_qk_norm_kernel_in_the_interpreter() -> None:
     code = textwrap.dedent(
         """
         import torch
-        from batchvl.encoder.fused_norm import qk_norm, qk_norm_reference
+        from batchvl.ops.fused_norm import qk_norm, qk_norm_reference
         from batchvl.encoder.internvit import RMSNorm
         torch.manual_seed(0)
         for C, extra in ((100, 0), (64, 40)):

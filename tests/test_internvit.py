@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from batchvl.encoder.internvit import VisionEncoder, pixel_shuffle
-from batchvl.model.config import InternVLConfig, LLMConfig, VisionConfig
+from batchvl.config import InternVLConfig, LLMConfig, VisionConfig
 
 ATOL, RTOL = 1e-5, 1e-4
 

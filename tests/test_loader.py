@@ -9,7 +9,7 @@ import torch
 from conftest import IMG_CONTEXT_ID, to_opengvlab
 
 from batchvl.engine import Engine, Request, Sampling, packed_meta
-from batchvl.model.config import load_config
+from batchvl.config import load_config
 from batchvl.model.loader import CheckpointError, load_model, random_model
 
 TOL = dict(atol=2e-5, rtol=1e-4)

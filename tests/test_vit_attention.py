@@ -12,7 +12,7 @@ from test_bench import _run_interpreted
 from test_internvit import build_pair
 
 from batchvl.encoder.internvit_compiled import compile_encoder, fast_mix
-from batchvl.encoder.vit_attention import (
+from batchvl.ops.vit_attention import (
     kernel_config,
     vit_attention,
     vit_attention_reference,
@@ -50,7 +50,7 @@ def test_kernel_in_the_interpreter() -> None:
     code = textwrap.dedent(
         """
         import torch
-        from batchvl.encoder.vit_attention import (
+        from batchvl.ops.vit_attention import (
             _vit_attention_triton, kernel_config, vit_attention, vit_attention_reference)
         torch.manual_seed(0)
         worst = {}

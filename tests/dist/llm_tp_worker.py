@@ -8,7 +8,7 @@ import torch.distributed as dist
 from batchvl.engine import Engine, Request, Sampling, packed_meta
 from batchvl.llm.kv_cache import KVCache
 from batchvl.llm.tp import shard_llm
-from batchvl.model.config import from_preset
+from batchvl.config import from_preset
 from batchvl.model.loader import random_model
 
 
