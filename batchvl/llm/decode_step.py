@@ -59,6 +59,7 @@ class DecodeStep:
     def __init__(self, llm, graphs: bool):
         self.llm, self.graphs = llm, graphs
         self.cache: dict[int, _Graph] = {}
+        self.mempool = None  # one memory pool for every graph: only one replays at a time
         self.failed: str | None = None  # why capturing failed, if it did (then `graphs` is off)
 
     @property
@@ -96,6 +97,7 @@ class DecodeStep:
             decode_forward(self.llm, s_tok, s_pos, table, pool)
         torch.cuda.current_stream(tok.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        self.mempool = self.mempool or torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self.mempool, capture_error_mode="thread_local"):
             logits = decode_forward(self.llm, s_tok, s_pos, table, pool)
         return _Graph(graph, s_tok, s_pos, logits)
