@@ -334,9 +334,8 @@ class Engine:
         rows_t = torch.tensor(rows, device=dev)
         top = max(p + n for p, n in zip(prefix_lens, lengths, strict=True)) - 1
         pos, meta = packed_meta(lengths, prefix_lens, self.tables[rows_t, : blocks_for(top + 1)], backend)
-        last = (
-            meta.cu_seqlens[1:].long() - 1
-        )  # last tokens only through the last layer's attention output and MLP
+        # each sequence's last token alone through the last layer's attention output and MLP, and lm_head
+        last = meta.cu_seqlens[1:].long() - 1
         return llm.logits(llm(h, pos, meta, self.pool, max_position=top, last=last))
 
     def _remember_prefixes(self, requests, prefixes, hit, feats, seqs) -> None:
@@ -445,13 +444,11 @@ class Engine:
         run); returns how many were captured (0 without CUDA graphs)."""
         if not self.decode_step.graphs:
             return 0
-        R = 8
-        while R <= self.max_rows:
-            z = torch.zeros(
-                R, dtype=torch.long, device=self.device
-            )  # token 0 at position 0 of block 0: scratch
+        R = self.max_rows
+        while R >= 8:  # the largest first: the graphs share one memory pool
+            z = torch.zeros(R, dtype=torch.long, device=self.device)  # token 0, position 0, block 0: scratch
             self.decode_step(z, z.clone(), self.tables[:R], self.pool)
-            R *= 2
+            R //= 2
         return self.decode_step.captures
 
 
