@@ -266,9 +266,10 @@ class Engine:
 
     # ---- admission: ViT, packed prefill into the pool, first tokens ------------------------------------------
     @torch.inference_mode()
-    def admit(self, requests: list[Request]) -> list[Finished]:
+    def admit(self, requests: list[Request], logits_out: list | None = None) -> list[Finished]:
         """Prefill `requests` into the pool and sample their first tokens; returns those already finished. Raises
-        (taking nothing from the pool) when they do not fit or the model fails."""
+        (taking nothing from the pool) when they do not fit or the model fails. logits_out: gets the last-token logits
+        [B, V] (for parity checks)."""
         if len(requests) > self.free_rows() or sum(map(self.blocks_needed, requests)) > self.pool.free:
             raise MemoryError(f"{len(requests)} requests do not fit in the engine's free rows and KV blocks")
         dev = self.device
@@ -300,6 +301,8 @@ class Engine:
                     new_feats.append(f)
                     shared.append(p)
                 logits = self._prefill(ids, new_feats, shared, [s.row for s in seqs])
+                if logits_out is not None:
+                    logits_out.append(logits)
                 first = sample_rows(logits, [r.sampling for r in requests], self.gen).tolist()
             first_s = time.perf_counter()
             if self.settings.prefix_cache:
@@ -430,6 +433,16 @@ class Engine:
         for f, h in zip(done, handles, strict=True):
             f.handle = h
         return done
+
+    def prefill_logits(self, requests: list[Request]) -> torch.Tensor:
+        """The last-token logits [B, V] that admitting `requests` computes, the sequences then dropped (an engine with
+        nothing in flight; for parity checks)."""
+        if self.active:
+            raise RuntimeError("prefill_logits needs an engine with no sequence in flight")
+        out: list = []
+        self.admit(requests, logits_out=out)
+        self.abort()
+        return out[0]
 
     def drop_caches(self) -> None:
         """Forget cached images and prefixes; the prefixes' blocks go back to the pool."""
