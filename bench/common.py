@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from batchvl.model.config import InternVLConfig, LLMConfig, VisionConfig
+from batchvl.config import InternVLConfig, LLMConfig, VisionConfig
 
 
 def matmul_ceiling(device: str = "cuda", n: int = 8192) -> dict:
