@@ -30,6 +30,9 @@ class SourceRow:
     prompt: str | None
     image: Any = None  # absolute path, bytes, or None
     error: str | None = None
+    generation: dict | None = (
+        None  # the row's own max_new_tokens / temperature / stop, as the source gave them
+    )
 
 
 def shard_of(row_id: str, num_shards: int) -> int:
@@ -53,7 +56,7 @@ def iter_rows(spec: DataSpec, shard: int = 0, num_shards: int = 1) -> Iterator[S
         prompt = rec.get("prompt")
         if prompt is None and spec.prompt is not None:
             prompt = spec.prompt
-        yield SourceRow(index, row_id, prompt, image, error)
+        yield SourceRow(index, row_id, prompt, image, error, rec.get("generation"))
 
 
 def _limited(it: Iterable[dict], limit: int | None) -> Iterator[dict]:
@@ -148,12 +151,23 @@ def parquet_files(path: str) -> list[str]:
     return sorted(glob.glob(path)) if glob.has_magic(path) else [path]
 
 
+GENERATION_FIELDS = (
+    "max_new_tokens",
+    "temperature",
+    "stop",
+)  # optional columns: a row's own generation settings
+
+
 def _fields(raw: dict, spec: DataSpec) -> dict:
-    return {
+    rec = {
         "id": raw.get(spec.id_field),
         "prompt": raw.get(spec.prompt_field),
         "image": raw.get(spec.image_field),
     }
+    generation = {k: raw[k] for k in GENERATION_FIELDS if raw.get(k) is not None}
+    if generation:
+        rec["generation"] = generation
+    return rec
 
 
 def _sharegpt(raw: dict, spec: DataSpec) -> dict:

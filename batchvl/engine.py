@@ -1,8 +1,10 @@
-"""The engine: one batch of prepared requests in, generated tokens and stage times out.
+"""The engine: sequences in flight over a paged KV pool, admitted a batch at a time and decoded together.
 
-The pipeline talks to the model only through `Engine.run_batch`: ViT (with an optional image-embedding cache) ->
-packed varlen prefill (with an optional shared-prefix KV cache) -> batched decode against the batch's KV cache.
-It takes a model ready to serve (`model.build.build_model`) and never changes it.
+`admit(requests)` runs a batch's ViT (with an optional image-embedding cache) and packed prefill (with an optional
+shared-prefix cache whose pool blocks the sequences share) and samples each sequence's first token; `step()` decodes
+one token for every sequence in flight. A sequence retires on a stop token or its own `max_new_tokens` and comes back
+as `Finished` at once; its blocks go back to the pool. The scheduler (`batchvl/scheduler.py`) decides when to admit and
+when to step. The engine takes a model ready to serve (`model.build.build_model`) and never changes it.
 """
 
 from __future__ import annotations
@@ -12,26 +14,23 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from batchvl.config import InternVLConfig
 from batchvl.job import EngineSpec
-from batchvl.llm.decode_step import DecodeStep, round_up
-from batchvl.llm.kv_cache import KVArena, KVCache
-from batchvl.llm.sampling import sample
+from batchvl.llm.decode_step import DecodeStep, row_bucket
+from batchvl.llm.kv_cache import KVPool, blocks_for
+from batchvl.llm.sampling import sample_rows
 from batchvl.model.internvl import InternVL
-from batchvl.ops.decode_attention import kernel_runs as decode_kernel_runs
+from batchvl.ops.decode_attention import BLOCK
 from batchvl.ops.prefill_attention import AttnMeta, prefill_backend
 
-
-@dataclass
-class Request:
-    """One prepared row: token ids with <IMG_CONTEXT> placeholders, and its tiles."""
-
-    input_ids: torch.Tensor  # [L] int64, CPU
-    pixel_values: torch.Tensor | None = None  # [tiles, 3, 448, 448] float32, CPU
-    image_key: str | None = None  # content hash of the image(s) + tiling, for the embedding cache
+IMAGE_CACHE_ENTRIES = 64  # images' features kept by the image cache
+PREFIX_CACHE_ENTRIES = 64  # prefixes whose pool blocks the prefix cache keeps
+MAX_ROWS = 512  # sequences in flight at most (the largest decode graph)
+CPU_POOL_BYTES = 1 << 30  # the KV pool off CUDA
 
 
 @dataclass
@@ -45,18 +44,41 @@ class Sampling:
 
 
 @dataclass
-class BatchResult:
-    output_ids: list[list[int]]
-    vit_ms: float  # ViT + projector for the whole batch (CUDA events on GPU)
-    prefill_ms: float
-    decode_ms: float
-    first_token_s: float  # time.perf_counter() when the first tokens were on the host
-    end_s: float  # time.perf_counter() when the last tokens were on the host
-    stats: dict = field(default_factory=dict)  # per-request lists: cache_hit_image, cached_prefix_tokens
+class Request:
+    """One prepared row: token ids with <IMG_CONTEXT> placeholders, its tiles and its own generation settings."""
+
+    input_ids: torch.Tensor  # [L] int64, CPU
+    pixel_values: torch.Tensor | None = None  # [tiles, 3, 448, 448] float32, CPU
+    image_key: str | None = None  # content hash of the image(s) + tiling, for the caches
+    sampling: Sampling = field(default_factory=Sampling)
+    handle: Any = None  # the caller's, given back in `Finished`
 
 
-IMAGE_CACHE_ENTRIES = 64  # images' features kept by the image cache
-PREFIX_CACHE_ENTRIES = 8  # prefixes' KV kept by the prefix cache
+@dataclass
+class Finished:
+    handle: Any
+    output_ids: list[int]
+    vit_ms: float  # its batch's ViT + projector (CUDA events on GPU)
+    prefill_ms: float  # its batch's prefill and first tokens
+    decode_ms: float  # the decode steps it took part in
+    first_token_s: float  # time.perf_counter() when its first token was on the host
+    done_s: float  # ... and its last
+    cache_hit_image: bool
+    cached_prefix_tokens: int
+
+
+@dataclass
+class _Seq:
+    """A sequence in flight: its blocks, the tokens in the pool and the ones it generated."""
+
+    req: Request
+    row: int  # its row of the block table
+    blocks: list[int]
+    length: int  # tokens whose k / v are in the pool
+    out: list[int]
+    stops: set[int]
+    timing: dict
+    decode_ms: float = 0.0
 
 
 class _Timer:
@@ -86,35 +108,6 @@ class _Timer:
         return self.ms
 
 
-def packed_meta(
-    lengths: list[int], prefix_lens: list[int], device, backend: str = "sdpa"
-) -> tuple[torch.Tensor, AttnMeta]:
-    """Positions [T] and attention metadata for sequences of `lengths` new tokens after `prefix_lens`; `backend`:
-    the prefill attention (`prefill_backend`)."""
-    new = torch.tensor(lengths, dtype=torch.int64)
-    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-    cu[1:] = new.cumsum(0)
-    rows = torch.repeat_interleave(torch.arange(len(lengths)), new)
-    pos = torch.cat([torch.arange(p, p + n) for p, n in zip(prefix_lens, lengths, strict=True)])
-    meta = AttnMeta(
-        cu_seqlens=cu.to(device),
-        cu_seqlens_host=cu,
-        max_seqlen=max(lengths),
-        slot_b=rows.to(device),
-        slot_pos=pos.to(device),
-        prefix_lens=prefix_lens if any(prefix_lens) else None,
-        backend=backend,
-    )
-    if any(prefix_lens):  # keys = cached prefix + new tokens of each sequence
-        total = [p + n for p, n in zip(prefix_lens, lengths, strict=True)]
-        cu_k = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-        cu_k[1:] = torch.tensor(total).cumsum(0)
-        meta.cu_seqlens_k, meta.max_seqlen_k = cu_k.to(device), max(total)
-        meta.key_rows = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(total)).to(device)
-        meta.key_pos = torch.cat([torch.arange(t) for t in total]).to(device)
-    return pos.to(device), meta
-
-
 class Engine:
     def __init__(
         self,
@@ -125,74 +118,125 @@ class Engine:
         dtype: torch.dtype = torch.float32,
         eos_token_ids: tuple[int, ...] = (),
         encode_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        max_seq_len: int = 32768,
+        pool_blocks: int | None = None,
+        seed: int = 0,
     ):
         self.model, self.cfg, self.settings = model, cfg, settings or EngineSpec()
         self.device, self.dtype = torch.device(device), dtype
         self.eos = tuple(eos_token_ids)
         self.encode_fn = encode_fn or model.vision  # [tiles,3,S,S] -> [tiles, 256, hidden]
         self.image_cache: OrderedDict[str, torch.Tensor] = OrderedDict()
-        self.prefix_cache: OrderedDict[str, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
-        self.counters = {"image_cache_hits": 0, "prefix_cache_hits": 0, "prefix_tokens_reused": 0}
+        # prefix key -> (its full blocks, the image features of its image tokens past them)
+        self.prefix_cache: OrderedDict[str, tuple[list[int], torch.Tensor | None]] = OrderedDict()
+        self.counters = {"image_cache_hits": 0, "prefix_cache_hits": 0, "prefix_tokens_reused": 0,
+                         "decode_steps": 0, "decode_rows": 0}  # fmt: skip
         attn = model.llm.layers[0].attn  # this rank's heads, under tensor parallelism
         self.all_heads = attn.n_heads == cfg.llm.num_heads
-        # each batch's KV view cleared only where the decode attention reads every slot (its reference path)
-        fast_decode = decode_kernel_runs(self.device, dtype, attn.n_heads, attn.n_kv, cfg.llm.head_dim)
-        self.arena = KVArena(
-            cfg.llm.num_layers, attn.n_kv, cfg.llm.head_dim, self.device, dtype, clear=not fast_decode
+        self.width = blocks_for(max_seq_len)  # block-table columns: the longest sequence
+        self.max_prefill_tokens = self.settings.max_prefill_tokens or self._auto_prefill_tokens()
+        c = cfg.llm
+        per_block = KVPool.bytes_per_block(c.num_layers, attn.n_kv, c.head_dim, dtype)
+        if pool_blocks is None:
+            pool_blocks = self._auto_pool_bytes() // per_block
+        self.pool = KVPool(c.num_layers, pool_blocks, attn.n_kv, c.head_dim, self.device, dtype)
+        self.max_rows = MAX_ROWS
+        self.tables = torch.zeros(self.max_rows, self.width, dtype=torch.int32, device=self.device)
+        self.rows: list[_Seq | None] = [None] * self.max_rows
+        self.decode_step = DecodeStep(
+            model.llm, graphs=not self.settings.eager and self.device.type == "cuda"
         )
-        graphs = not self.settings.eager and self.device.type == "cuda"
-        self.decode_step = DecodeStep(model.llm, graphs=graphs)
-        # a graph per cache shape: pad rows and lengths so that a long job sees a handful of shapes
-        self.row_multiple, self.len_multiple = (8, 128) if graphs else (1, 1)
+        self.gen = torch.Generator(device=self.device).manual_seed(seed)  # for rows with a temperature
 
-    def batch_bytes(self, max_tokens: int, max_new_tokens: int) -> int:
-        """Rough peak device memory of one batch of `max_tokens` prompt tokens: its KV cache plus the largest
-        LLM and ViT activations (the MLP's gate/up output dominates)."""
+    # ---- memory ------------------------------------------------------------------------------------------------
+    def activation_bytes(self, prefill_tokens: int | None = None) -> int:
+        """Rough peak of one prefill batch of `prefill_tokens` (default: the engine's budget) or one ViT call (the
+        MLPs dominate)."""
         c, v, el = self.cfg.llm, self.cfg.vision, torch.empty((), dtype=self.dtype).element_size()
-        kv = KVCache.bytes_per_token(c.num_layers, self._n_kv(), c.head_dim, self.dtype)
-        kv_all = kv * (max_tokens + max_tokens // 64 * max_new_tokens)  # decode room; rows are padded too
-        llm_act = max_tokens * (3 * c.intermediate_size + 6 * c.hidden_size) * el
-        vit_act = (
-            self.settings.max_vit_tiles
-            * (v.num_patches + 1)
-            * (2 * v.intermediate_size + 6 * v.hidden_size)
-            * el
+        llm_act = (
+            (prefill_tokens or self.max_prefill_tokens) * (3 * c.intermediate_size + 6 * c.hidden_size) * el
         )
-        return kv_all + max(llm_act, vit_act)
+        tokens = self.settings.max_vit_tiles * (v.num_patches + 1)
+        return max(llm_act, tokens * (2 * v.intermediate_size + 6 * v.hidden_size) * el)
 
-    def check_memory(self, max_tokens: int, max_new_tokens: int) -> None:
-        """Fail early, with the numbers, when a full batch cannot fit in the free device memory."""
+    def _auto_prefill_tokens(self) -> int:
+        """The prefill budget when the job leaves it to batchvl: 32768 tokens, less where their activations would take
+        more than a quarter of the free memory (16384 off CUDA)."""
         if self.device.type != "cuda":
-            return
+            return 16384
         free, _ = torch.cuda.mem_get_info(self.device)
-        need = self.batch_bytes(max_tokens, max_new_tokens)
-        if need > 0.9 * free:
-            per_token = need / max_tokens
-            fits = int(0.9 * free / per_token) // 1024 * 1024
-            raise MemoryError(
-                f"a batch of engine.max_prefill_tokens={max_tokens} needs about {need / 2**30:.1f} GiB "
-                f"(KV cache + activations) but {free / 2**30:.1f} GiB is free after loading the model; "
-                f"use engine.max_prefill_tokens <= {fits}"
-            )
+        return next((n for n in (32768, 16384, 8192) if self.activation_bytes(n) <= free // 4), 4096)
 
-    # ---- ViT -------------------------------------------------------------------------------------------------
+    def _auto_pool_bytes(self) -> int:
+        """What the pool may take: off CUDA a fixed size; on CUDA 90% of the free memory less the activations."""
+        if self.device.type != "cuda":
+            return CPU_POOL_BYTES
+        free, _ = torch.cuda.mem_get_info(self.device)
+        room = int(0.9 * free) - self.activation_bytes()
+        if room <= 0:
+            raise MemoryError(
+                f"a batch of engine.max_prefill_tokens={self.max_prefill_tokens} needs about "
+                f"{self.activation_bytes() / 2**30:.1f} GiB of activations but {free / 2**30:.1f} GiB is free after "
+                f"loading the model; lower engine.max_prefill_tokens"
+            )
+        return room
+
+    # ---- what admitting a request costs ---------------------------------------------------------------------
+    def _prefix(self, r: Request) -> tuple[str | None, int]:
+        """(prefix cache key or None, tokens a hit would reuse: the prefix's full blocks)."""
+        if not self.settings.prefix_cache or (r.pixel_values is not None and r.image_key is None):
+            return None, 0  # (an image without a content key cannot be told apart from another)
+        where = (r.input_ids == self.cfg.image_token_id).nonzero()
+        p = int(where[-1]) + 1 if len(where) else 0  # system prompt + user header + image
+        full = p // BLOCK * BLOCK
+        if full == 0 or p >= r.input_ids.shape[0]:
+            return None, 0
+        digest = r.input_ids[:p].numpy().tobytes() + (r.image_key or "").encode()
+        return hashlib.blake2b(digest, digest_size=16).hexdigest(), full
+
+    def cached_tokens(self, r: Request) -> int:
+        """Prompt tokens a prefix-cache hit would spare."""
+        key, full = self._prefix(r)
+        return full if key in self.prefix_cache else 0
+
+    def needs_vit(self, r: Request) -> bool:
+        """Whether admitting r runs its tiles through the ViT (not when either cache has what it needs)."""
+        if r.pixel_values is None:
+            return False
+        if self.settings.image_cache and r.image_key in self.image_cache:
+            return False
+        return self.cached_tokens(r) == 0
+
+    def blocks_needed(self, r: Request) -> int:
+        """Pool blocks r takes for its prompt and all its new tokens, less the prefix blocks it would share."""
+        total = blocks_for(r.input_ids.shape[0] + r.sampling.max_new_tokens)
+        return total - self.cached_tokens(r) // BLOCK
+
+    def free_rows(self) -> int:
+        return sum(s is None for s in self.rows)
+
+    @property
+    def active(self) -> int:
+        return self.max_rows - self.free_rows()
+
+    # ---- ViT ---------------------------------------------------------------------------------------------------
     def _encode_tiles(self, tiles: list[torch.Tensor]) -> torch.Tensor:
         """Tiles of several requests (CPU) -> [N, 256, hidden] on device, in chunks of max_vit_tiles."""
-        px = torch.cat(
-            [t.to(self.device, non_blocking=True) for t in tiles]
-        )  # cat on the device, not the host
-        px = px.to(self.dtype)
+        px = torch.cat([t.to(self.device, non_blocking=True) for t in tiles]).to(self.dtype)
         step = self.settings.max_vit_tiles
         return torch.cat([self.encode_fn(px[i : i + step]) for i in range(0, px.shape[0], step)])
 
-    def encode(self, requests: list[Request]) -> tuple[list[torch.Tensor | None], list[bool]]:
-        """Image features per request, [tiles*256, hidden] or None; and whether each came from the cache."""
+    def encode(
+        self, requests: list[Request], skip: list[bool]
+    ) -> tuple[list[torch.Tensor | None], list[bool]]:
+        """Image features per request, [tiles*256, hidden] or None (none, or `skip`); and whether each came from the
+        image cache (or an earlier request of this batch with the same image)."""
         use_cache = self.settings.image_cache
         feats: list[torch.Tensor | None] = [None] * len(requests)
         hits = [False] * len(requests)
         todo: dict[str, list[int]] = {}
         for i, r in enumerate(requests):
-            if r.pixel_values is None:
+            if r.pixel_values is None or skip[i]:
                 continue
             key = r.image_key if (use_cache and r.image_key) else f"#{i}"
             if use_cache and key in self.image_cache:
@@ -220,171 +264,233 @@ class Engine:
                         self.image_cache.popitem(last=False)
         return feats, hits
 
-    # ---- prefix cache ----------------------------------------------------------------------------------------
-    def _prefix_len(self, ids: torch.Tensor) -> int:
-        """Tokens up to and including the last <IMG_CONTEXT>: system prompt + user header + image."""
-        where = (ids == self.cfg.image_token_id).nonzero()
-        return int(where[-1]) + 1 if len(where) else 0
-
-    @staticmethod
-    def _prefix_key(ids: torch.Tensor, image_key: str | None) -> str:
-        return hashlib.blake2b(ids.numpy().tobytes() + (image_key or "").encode(), digest_size=16).hexdigest()
-
-    def _fill_prefixes(self, items: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
-        """Prefill each missing prefix alone and keep its KV, [layers, kv_heads, P, head_dim] each."""
-        ids = [t for _, t, _ in items]
-        feats = [f for _, _, f in items]
-        cache = self._prefill(ids, feats, [0] * len(ids), None, extra=0, arena=False)[1]
-        for row, (key, t, _) in enumerate(items):
-            p = t.shape[0]
-            self.prefix_cache[key] = cache.prefix(row, p)
-            while len(self.prefix_cache) > PREFIX_CACHE_ENTRIES:
-                self.prefix_cache.popitem(last=False)
-
-    # ---- LLM -------------------------------------------------------------------------------------------------
-    def _prefill(
-        self,
-        ids: list[torch.Tensor],
-        feats: list,
-        prefix_lens: list[int],
-        prefixes: list | None,
-        extra: int,
-        arena: bool = True,
-    ) -> tuple[torch.Tensor, KVCache]:
-        """Packed prefill of the new tokens `ids[i]` after `prefix_lens[i]` cached ones.
-        Returns last-token logits [B, V] and the batch's KV cache (room for `extra` more tokens); the cache is
-        the arena's (rows and length padded for the decode graphs) unless `arena` is off."""
-        llm, c = self.model.llm, self.cfg.llm
-        lengths = [int(t.shape[0]) for t in ids]
-        longest = max(p + n for p, n in zip(prefix_lens, lengths, strict=True))
-        if arena:
-            cache = self.arena.cache(*self._arena_shape(len(ids), longest + extra))
-        else:
-            cache = KVCache(
-                c.num_layers, len(ids), longest + extra, self._n_kv(), c.head_dim, self.device, self.dtype
+    # ---- admission: ViT, packed prefill into the pool, first tokens ------------------------------------------
+    @torch.inference_mode()
+    def admit(self, requests: list[Request], logits_out: list | None = None) -> list[Finished]:
+        """Prefill `requests` into the pool and sample their first tokens; returns those already finished. Raises
+        (taking nothing from the pool) when they do not fit or the model fails. logits_out: gets the last-token logits
+        [B, V] (for parity checks)."""
+        if len(requests) > self.free_rows() or sum(map(self.blocks_needed, requests)) > self.pool.free:
+            raise MemoryError(f"{len(requests)} requests do not fit in the engine's free rows and KV blocks")
+        dev = self.device
+        prefixes = [self._prefix(r) for r in requests]
+        hit = [k is not None and k in self.prefix_cache for k, _ in prefixes]
+        seqs: list[_Seq] = []
+        try:
+            with _Timer(dev) as t_vit:
+                feats, img_hits = self.encode(requests, skip=hit)
+            with _Timer(dev) as t_pre:
+                ids, new_feats, shared = [], [], []
+                for r, (key, full), h, f in zip(requests, prefixes, hit, feats, strict=True):
+                    reused, tail = self.prefix_cache[key] if h else ([], None)
+                    if h:
+                        self.prefix_cache.move_to_end(key)
+                        self.pool.retain(reused)
+                        self.counters["prefix_cache_hits"] += 1
+                        self.counters["prefix_tokens_reused"] += full
+                        f = tail
+                    own = self.pool.allocate(blocks_for(r.input_ids.shape[0] + r.sampling.max_new_tokens)
+                                             - len(reused))  # fmt: skip
+                    row = self.rows.index(None)
+                    s = _Seq(r, row, reused + own, r.input_ids.shape[0], [], self._stops(r.sampling), {})
+                    self.rows[row] = s
+                    seqs.append(s)
+                    self.tables[row, : len(s.blocks)] = torch.tensor(s.blocks, dtype=torch.int32)
+                    p = full if h else 0
+                    ids.append(r.input_ids[p:])
+                    new_feats.append(f)
+                    shared.append(p)
+                logits = self._prefill(ids, new_feats, shared, [s.row for s in seqs])
+                if logits_out is not None:
+                    logits_out.append(logits)
+                first = sample_rows(logits, [r.sampling for r in requests], self.gen).tolist()
+            first_s = time.perf_counter()
+            if self.settings.prefix_cache:
+                self._remember_prefixes(requests, prefixes, hit, feats, seqs)
+        except BaseException:
+            for s in seqs:
+                self._free(s)
+            raise
+        vit_ms, prefill_ms = t_vit.elapsed(), t_pre.elapsed()
+        done = []
+        for s, t, h, p in zip(seqs, first, img_hits, shared, strict=True):
+            s.timing = dict(
+                vit_ms=vit_ms, prefill_ms=prefill_ms, first_token_s=first_s, hit=h or p > 0, cached=p
             )
-        if prefixes:
-            for b, pk in enumerate(prefixes):
-                if pk is not None:
-                    cache.set_prefix(b, *pk)
-        flat = torch.cat(ids).to(self.device, non_blocking=True)
+            if self._append(s, t):
+                done.append(self._retire(s, first_s))
+        return done
+
+    def _prefill(
+        self, ids: list[torch.Tensor], feats: list, prefix_lens: list[int], rows: list[int]
+    ) -> torch.Tensor:
+        """Packed prefill of the new tokens `ids[i]` after `prefix_lens[i]` already in the pool, into table rows
+        `rows`; returns each sequence's last-token logits [B, V]."""
+        llm, dev = self.model.llm, self.device
+        lengths = [int(t.shape[0]) for t in ids]
+        flat = torch.cat(ids).to(dev, non_blocking=True)
         img = [f for f in feats if f is not None]
         h = self.model.embed(flat, torch.cat(img, 0) if img else None)
         backend = prefill_backend(
-            self.device, self.dtype, c.head_dim, lengths, any(prefix_lens), self.all_heads
+            dev, self.dtype, self.cfg.llm.head_dim, lengths, any(prefix_lens), self.all_heads
         )
-        pos, meta = packed_meta(lengths, prefix_lens, self.device, backend)
-        # only last tokens go through the last layer's attention output and MLP, and through lm_head
+        rows_t = torch.tensor(rows, device=dev)
+        top = max(p + n for p, n in zip(prefix_lens, lengths, strict=True)) - 1
+        pos, meta = packed_meta(lengths, prefix_lens, self.tables[rows_t, : blocks_for(top + 1)], backend)
+        # each sequence's last token alone through the last layer's attention output and MLP, and lm_head
         last = meta.cu_seqlens[1:].long() - 1
-        return llm.logits(llm(h, pos, meta, cache, max_position=longest - 1, last=last)), cache
+        return llm.logits(llm(h, pos, meta, self.pool, max_position=top, last=last))
 
-    def _arena_shape(self, rows: int, max_len: int) -> tuple[int, int]:
-        """A batch's KV-cache shape in the arena: rows and length padded so decode graphs repeat."""
-        return round_up(rows, self.row_multiple), round_up(max_len, self.len_multiple)
+    def _remember_prefixes(self, requests, prefixes, hit, feats, seqs) -> None:
+        """Keep the full prefix blocks of each new prefix (and the features of its image tokens past them)."""
+        for r, (key, full), h, f, s in zip(requests, prefixes, hit, feats, seqs, strict=True):
+            if key is None or h or key in self.prefix_cache:
+                continue
+            before = int((r.input_ids[:full] == self.cfg.image_token_id).sum())
+            tail = f[before:].clone() if f is not None and before < f.shape[0] else None
+            blocks = s.blocks[: full // BLOCK]
+            self.pool.retain(blocks)
+            self.prefix_cache[key] = (blocks, tail)
+            while len(self.prefix_cache) > PREFIX_CACHE_ENTRIES:
+                self.pool.release(self.prefix_cache.popitem(last=False)[1][0])
 
-    def _n_kv(self) -> int:
-        return self.model.llm.layers[0].attn.n_kv
-
-    # ---- one batch: ViT, prefill, decode ---------------------------------------------------------------------
+    # ---- decode ----------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def run_batch(self, requests: list[Request], s: Sampling) -> BatchResult:
-        """ViT -> packed prefill -> decode for one batch."""
+    def step(self) -> list[Finished]:
+        """One token for every sequence in flight; returns those that finished."""
+        live = [s for s in self.rows if s is not None]
+        if not live:
+            return []
+        t0 = time.perf_counter()
+        top = max(s.row for s in live) + 1
+        R = min(row_bucket(top), self.max_rows) if self.decode_step.graphs else top
+        tok, pos = [0] * R, [0] * R  # rows without a sequence write block 0 (scratch)
+        for s in live:
+            tok[s.row], pos[s.row] = s.out[-1], s.length
+        self.model.llm.check_position(max(pos))
         dev = self.device
-        with _Timer(dev) as t_vit:
-            feats, hits = self.encode(requests)
-        prefix_lens = [0] * len(requests)
-        prefixes: list | None = None
-        ids = [r.input_ids for r in requests]
-        with _Timer(dev) as t_pre:
-            if self.settings.prefix_cache:
-                ids, feats, prefix_lens, prefixes = self._use_prefix_cache(requests, feats)
-            logits, cache = self._prefill(ids, feats, prefix_lens, prefixes, extra=s.max_new_tokens)
-            gen = torch.Generator(device=dev).manual_seed(s.seed) if s.temperature > 0 else None
-            tok = sample(logits, s.temperature, s.top_p, gen)
-        out = [[t] for t in tok.tolist()]
-        first_token_s = time.perf_counter()
-        lens = [p + int(t.shape[0]) for p, t in zip(prefix_lens, ids, strict=True)]
-        try:
-            with _Timer(dev) as t_dec:
-                done_s = self._decode(cache, tok, lens, out, s, gen, first_token_s)
-        finally:
-            del cache  # free the batch's KV cache, also when a step failed
-        end_s = time.perf_counter()
-        stats = {
-            "cache_hit_image": hits,
-            "cached_prefix_tokens": prefix_lens,
-            "done_s": [d if d is not None else end_s for d in done_s],
-        }
-        return BatchResult(
-            out, t_vit.elapsed(), t_pre.elapsed(), t_dec.elapsed(), first_token_s, end_s, stats
+        # a graph keeps the table's full width; eager steps read only the columns in use
+        table = self.tables[:R] if self.decode_step.graphs else self.tables[:R, : blocks_for(max(pos) + 1)]
+        logits = self.decode_step(
+            torch.tensor(tok, device=dev), torch.tensor(pos, device=dev), table, self.pool
         )
+        rows = torch.tensor([s.row for s in live], device=dev)
+        new = sample_rows(logits[rows], [s.req.sampling for s in live], self.gen).tolist()
+        now = time.perf_counter()
+        self.counters["decode_steps"] += 1
+        self.counters["decode_rows"] += len(live)
+        done = []
+        for s, t in zip(live, new, strict=True):
+            s.length += 1
+            s.decode_ms += (now - t0) * 1e3
+            if self._append(s, t):
+                done.append(self._retire(s, now))
+        return done
 
-    def _decode(
-        self,
-        cache: KVCache,
-        tok: torch.Tensor,
-        lens: list[int],
-        out: list[list[int]],
-        s: Sampling,
-        gen: torch.Generator | None,
-        first_token_s: float,
-    ) -> list[float | None]:
-        """The remaining tokens of every request, appended to `out`; returns when each request got its last token."""
-        dev, n = self.device, len(out)
-        stops = set(s.stop_token_ids) | (set() if s.ignore_eos else set(self.eos))
-        done = [o[0] in stops for o in out]
-        done_s = [first_token_s if d else None for d in done]
-        pad = cache.rows - n  # the cache's padding rows decode a dummy token at position 0
-        tok = torch.cat([tok, tok.new_zeros(pad)])
-        lens_t = torch.tensor(lens + [0] * pad, device=dev)
-        real = (torch.arange(cache.rows, device=dev) < n).long()  # 1 for requests, 0 for padding rows
-        for step in range(s.max_new_tokens - 1):
-            if all(done):
-                break
-            self.model.llm.check_position(max(lens) + step)
-            logits = self.decode_step(tok, lens_t, cache)  # [rows, V]; rows past n are padding
-            new = sample(logits[:n], s.temperature, s.top_p, gen)
-            tok = torch.cat([new, tok[n:]])
-            lens_t = lens_t + real
-            now = None
-            for b, t in enumerate(new.tolist()):
-                if not done[b]:
-                    out[b].append(t)
-                    done[b] = t in stops
-                    if done[b]:
-                        done_s[b] = now = now or time.perf_counter()
-        return done_s
+    def abort(self) -> list[Any]:
+        """Drop every sequence in flight (after a failed step); returns their handles."""
+        handles = [s.req.handle for s in self.rows if s is not None]
+        for s in self.rows:
+            if s is not None:
+                self._free(s)
+        return handles
 
-    def _use_prefix_cache(self, requests: list[Request], feats: list):
-        """Split each request into a cached prefix (filled on first sight) and the new tokens after it."""
-        keys, plens = [], []
-        missing: dict[str, tuple[str, torch.Tensor, torch.Tensor]] = {}
-        for r, f in zip(requests, feats, strict=True):
-            p = self._prefix_len(r.input_ids)
-            if p == 0 or p >= r.input_ids.shape[0] or (r.pixel_values is not None and r.image_key is None):
-                # (an image without a content key cannot be told apart from another: no reuse)
-                keys.append(None)
-                plens.append(0)
-                continue
-            k = self._prefix_key(r.input_ids[:p], r.image_key)
-            keys.append(k)
-            plens.append(p)
-            if k not in self.prefix_cache and k not in missing:
-                missing[k] = (k, r.input_ids[:p], f)
-        if missing:
-            self._fill_prefixes(list(missing.values()))
-        ids, new_feats, prefixes = [], [], []
-        for r, f, k, p in zip(requests, feats, keys, plens, strict=True):
-            if k is None or k not in self.prefix_cache:
-                ids.append(r.input_ids)
-                new_feats.append(f)
-                prefixes.append(None)
-                plens[len(ids) - 1] = 0
-                continue
-            self.prefix_cache.move_to_end(k)
-            self.counters["prefix_cache_hits"] += 1
-            self.counters["prefix_tokens_reused"] += p
-            ids.append(r.input_ids[p:])
-            new_feats.append(None)  # every image token lies inside the prefix
-            prefixes.append(self.prefix_cache[k])
-        return ids, new_feats, plens, prefixes
+    def _stops(self, s: Sampling) -> set[int]:
+        return set(s.stop_token_ids) | (set() if s.ignore_eos else set(self.eos))
+
+    @staticmethod
+    def _append(s: _Seq, t: int) -> bool:
+        """Add token t; whether the sequence is done."""
+        s.out.append(t)
+        return t in s.stops or len(s.out) >= s.req.sampling.max_new_tokens
+
+    def _retire(self, s: _Seq, now: float) -> Finished:
+        self._free(s)
+        t = s.timing
+        return Finished(s.req.handle, s.out, t["vit_ms"], t["prefill_ms"], s.decode_ms, t["first_token_s"], now,
+                        t["hit"], t["cached"])  # fmt: skip
+
+    def _free(self, s: _Seq) -> None:
+        self.pool.release(s.blocks)
+        self.tables[s.row].zero_()
+        self.rows[s.row] = None
+
+    def generate(self, requests: list[Request]) -> list[Finished]:
+        """Admit `requests` together and decode until all are done; their results in request order (the
+        synchronous use, for tests and benchmarks; a job goes through the scheduler)."""
+        order = {id(r): i for i, r in enumerate(requests)}
+        handles = [r.handle for r in requests]
+        for r in requests:
+            r.handle = id(r)
+        try:
+            done = self.admit(requests)
+            while self.active:
+                done += self.step()
+        finally:
+            for r, h in zip(requests, handles, strict=True):
+                r.handle = h
+        done.sort(key=lambda f: order[f.handle])
+        for f, h in zip(done, handles, strict=True):
+            f.handle = h
+        return done
+
+    def prefill_logits(self, requests: list[Request]) -> torch.Tensor:
+        """The last-token logits [B, V] that admitting `requests` computes, the sequences then dropped (an engine with
+        nothing in flight; for parity checks)."""
+        if self.active:
+            raise RuntimeError("prefill_logits needs an engine with no sequence in flight")
+        out: list = []
+        self.admit(requests, logits_out=out)
+        self.abort()
+        return out[0]
+
+    def drop_caches(self) -> None:
+        """Forget cached images and prefixes; the prefixes' blocks go back to the pool."""
+        self.image_cache.clear()
+        while self.prefix_cache:
+            self.pool.release(self.prefix_cache.popitem()[1][0])
+
+    # ---- start-up --------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def warm_up(self) -> int:
+        """Capture the decode graphs of every row bucket now, before rows flow (and before preprocessing threads
+        run); returns how many were captured (0 without CUDA graphs)."""
+        if not self.decode_step.graphs:
+            return 0
+        R = self.max_rows
+        while R >= 8:  # the largest first: the graphs share one memory pool
+            z = torch.zeros(R, dtype=torch.long, device=self.device)  # token 0, position 0, block 0: scratch
+            self.decode_step(z, z.clone(), self.tables[:R], self.pool)
+            R //= 2
+        return self.decode_step.captures
+
+
+def packed_meta(lengths: list[int], prefix_lens: list[int], table: torch.Tensor, backend: str = "sdpa"):
+    """Positions [T] and attention metadata for sequences of `lengths` new tokens after `prefix_lens` tokens already
+    in the pool, sequence i's blocks in table[i] ([B, W] int32 on the device); `backend`: the prefill attention."""
+    dev = table.device
+    new = torch.tensor(lengths, dtype=torch.int64)
+    total = [p + n for p, n in zip(prefix_lens, lengths, strict=True)]
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = new.cumsum(0)
+    seq = torch.repeat_interleave(torch.arange(len(lengths)), new).to(dev)
+    pos = torch.cat([torch.arange(p, p + n) for p, n in zip(prefix_lens, lengths, strict=True)]).to(dev)
+    meta = AttnMeta(
+        cu_seqlens=cu.to(dev),
+        cu_seqlens_host=cu,
+        max_seqlen=max(lengths),
+        slot_b=table[seq, pos // BLOCK].long(),
+        slot_pos=pos % BLOCK,
+        prefix_lens=prefix_lens if any(prefix_lens) else None,
+        backend=backend,
+        kv_lens=torch.tensor(total, device=dev),
+        block_table=table,
+    )
+    if any(prefix_lens):  # keys = the prefix already in the pool + the new tokens of each sequence
+        cu_k = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+        cu_k[1:] = torch.tensor(total).cumsum(0)
+        kseq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(total)).to(dev)
+        kpos = torch.cat([torch.arange(t) for t in total]).to(dev)
+        meta.cu_seqlens_k, meta.max_seqlen_k = cu_k.to(dev), max(total)
+        meta.key_rows, meta.key_pos = table[kseq, kpos // BLOCK].long(), kpos % BLOCK
+    return pos, meta

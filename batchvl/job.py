@@ -71,7 +71,9 @@ class PreprocessSpec:
 class EngineSpec:
     """How the engine runs: batch budgets, caches and the few real choices (the engine reads this very class)."""
 
-    max_prefill_tokens: int = 16384  # packed prefill tokens per batch
+    max_prefill_tokens: int | None = (
+        None  # packed prefill tokens per batch (not counting cached ones); null: auto
+    )
     max_vit_tiles: int = 64  # tiles per ViT call
     image_cache: bool = False  # encode an identical image once (content hash)
     prefix_cache: bool = False  # reuse the KV of system prompt + image across rows
@@ -80,6 +82,9 @@ class EngineSpec:
         "auto"  # with model.tp > 1: "tp" (sharded ViT) or "dp" (replicated); auto: a cost model picks
     )
     eager: bool = False  # for debugging: no torch.compile and no CUDA graphs
+    cache_dir: str = (
+        "~/.cache/batchvl"  # compiled kernels and graphs, kept across runs (copy it to warm a machine)
+    )
 
 
 # engine keys of earlier versions: what became of each, for the error an old job file gets
@@ -190,6 +195,7 @@ def job_for_fingerprint(job: Job) -> dict:
     d["output"].pop("overwrite", None)
     d["preprocess"].pop("workers", None)
     d["preprocess"].pop("prefetch", None)
+    d["engine"].pop("cache_dir", None)
     return d
 
 
@@ -218,7 +224,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     origin = get_origin(tp)
     if origin in (Union, types.UnionType):
         args = [a for a in get_args(tp) if a is not type(None)]
-        if value is None:
+        if value is None or value == "auto":  # optional settings: null or auto leaves the choice to batchvl
             return None
         return _coerce(value, args[0], key)
     if origin is list:
@@ -306,6 +312,9 @@ def _validate(job: Job) -> None:
     for k in ("max_prefill_tokens", "max_vit_tiles"):
         _at_least(getattr(e, k), 1, f"job.engine.{k}")
     _choice(e.vit_mode, ("auto", "tp", "dp"), "job.engine.vit_mode")
+    e.cache_dir = _abs(e.cache_dir)
+    if Path(e.cache_dir).exists() and not Path(e.cache_dir).is_dir():
+        raise JobError(f"job.engine.cache_dir: {e.cache_dir} exists and is not a directory")
     _at_least(g.max_new_tokens, 1, "job.generation.max_new_tokens")
     _at_least(g.temperature, 0, "job.generation.temperature")
     if not 0 < g.top_p <= 1:

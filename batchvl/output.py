@@ -321,7 +321,13 @@ _LAYOUT: dict[str | None, list[tuple[str, str]]] = {
     "Time to First Token": [(f"{s}_ttft_ms", f"{n} TTFT (ms):") for s, n in _STATS],
     "Time per Output Token (excl. 1st token)": [(f"{s}_tpot_ms", f"{n} TPOT (ms):") for s, n in _STATS],
     "Cache": [("image_cache_hits", "Image cache hits:"), ("cached_prefix_tokens", "Cached prefix tokens:")],
-    "Engine": [("gpu_input_wait_s", "Idle waiting for input (s, all ranks):")],
+    "Engine": [
+        ("gpu_input_wait_s", "Idle waiting for input (s, all ranks):"),
+        ("mean_active_rows", "Mean active rows per decode step:"),
+        ("load_s", "Model load (s, this run):"),
+        ("warm_up_s", "Warm-up (s, this run):"),
+        ("vit_compile_s", "ViT compile during the job (s):"),
+    ],
 }
 
 

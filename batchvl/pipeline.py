@@ -1,4 +1,5 @@
-"""The flow: source rows -> preprocess workers -> batcher (token + tile budgets) -> engine -> Parquet writer.
+"""The flow: source rows -> preprocess workers -> admission (`scheduler`) -> the engine's sequences in flight ->
+Parquet writer.
 
 Every row carries its own clock (perf_counter, shared by the processes of one host); errors travel as rows.
 """
@@ -14,13 +15,14 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from batchvl.data import SourceRow
 from batchvl.preprocess import Prepared, PreprocessError
+from batchvl.scheduler import next_batch
 
 if TYPE_CHECKING:  # the engine pulls in the model code: preprocess workers never import it
     from tqdm import tqdm
@@ -43,6 +45,10 @@ class Item:
     t_prepared: float | None = None
     prepared: Prepared | None = None
     error: str | None = None
+    request: Any = None  # the engine's Request, built when the row is ready
+    batch_id: int | None = None  # the prefill batch that admitted it
+    t_batch: float | None = None
+    wait_ms: float | None = None  # how long the engine sat idle before that batch
 
 
 # ---------------------------------------------------------------- preprocessing
@@ -113,6 +119,10 @@ class Preparer:
         if self.pool is not None:
             concurrent.futures.wait(self.warming)
 
+    def head_ready(self) -> bool:
+        """Whether `pop` would return at once."""
+        return bool(self.queue) and (self.queue[0][1] is None or self.queue[0][1].done())
+
     def has_room(self) -> bool:
         return len(self.queue) < (self.max_in_flight if self.pool else 1)
 
@@ -182,27 +192,6 @@ class Preparer:
             self.pinner = None
 
 
-# ---------------------------------------------------------------- batching
-
-
-def pack(items: Iterable[Item], max_tokens: int, max_tiles: int) -> Iterator[list[Item]]:
-    """Group prepared items in arrival order under both budgets; a single over-budget item runs alone."""
-    batch: list[Item] = []
-    tokens = tiles = 0
-    for it in items:
-        n, t = len(it.prepared.input_ids), it.prepared.num_tiles
-        if batch and (tokens + n > max_tokens or tiles + t > max_tiles):
-            yield batch
-            batch, tokens, tiles = [], 0, 0
-        batch.append(it)
-        tokens, tiles = tokens + n, tiles + t
-        if tokens >= max_tokens or tiles >= max_tiles:
-            yield batch
-            batch, tokens, tiles = [], 0, 0
-    if batch:
-        yield batch
-
-
 # ---------------------------------------------------------------- rows
 
 
@@ -240,39 +229,26 @@ def base_row(item: Item, t0: float) -> dict:
     return row
 
 
-def result_row(
-    item: Item,
-    t0: float,
-    batch_id: int,
-    t_batch: float,
-    res: Any,
-    i: int,
-    text: str,
-    wait_ms: float | None = None,
-) -> dict:
-    """A finished row: outputs and its batch's stage times."""
-    out = [int(t) for t in res.output_ids[i]]
-    stats = res.stats or {}
-    hits, cached = stats.get("cache_hit_image"), stats.get("cached_prefix_tokens")
-    done_s = stats.get("done_s")
-    t_first = res.first_token_s - t0
-    t_done = (done_s[i] if isinstance(done_s, list) else res.end_s) - t0  # early EOS finishes a row early
+def result_row(item: Item, t0: float, res: Any, text: str) -> dict:
+    """A finished row: outputs, its own clock and its batch's stage times (`res`: the engine's `Finished`)."""
+    out = [int(t) for t in res.output_ids]
+    t_first, t_done = res.first_token_s - t0, res.done_s - t0
     return {
         **base_row(item, t0),
-        "batch_id": batch_id,
+        "batch_id": item.batch_id,
         "output_token_ids": out,
         "output_text": text,
-        "cache_hit_image": bool(hits[i]) if isinstance(hits, list) else None,
-        "cached_prefix_tokens": int(cached[i]) if isinstance(cached, list) else None,
-        "batch_wait_ms": _ms(item.t_prepared, t_batch),
+        "cache_hit_image": bool(res.cache_hit_image),
+        "cached_prefix_tokens": int(res.cached_prefix_tokens),
+        "batch_wait_ms": _ms(item.t_prepared, item.t_batch),
         "vit_ms": res.vit_ms,
         "prefill_ms": res.prefill_ms,
         "decode_ms": res.decode_ms,
-        "input_wait_ms": wait_ms,
+        "input_wait_ms": item.wait_ms,
         "ttft_ms": t_first * 1e3,
         "e2e_ms": t_done * 1e3,
         "tpot_ms": (t_done - t_first) * 1e3 / (len(out) - 1) if len(out) > 1 else None,
-        "t_batch_start_s": t_batch - t0,
+        "t_batch_start_s": item.t_batch - t0,
         "t_first_token_s": t_first,
         "t_done_s": t_done,
     }
@@ -285,25 +261,30 @@ def result_row(
 class Flow:
     """What the loop needs: the engine, a prepare callable, a decode callable and the budgets."""
 
-    engine: Any  # has run_batch(list[Request], Sampling) -> BatchResult
+    engine: (
+        Any  # `engine.Engine`: admit, step, abort, and what admission asks (free_rows, blocks_needed, ...)
+    )
     preprocessor: Callable  # (prompt, image) -> Prepared, picklable when workers > 0
     decode: Callable[[list[int]], str]
-    sampling: Sampling
+    sampling: Sampling  # the job's; a row's own columns override max_new_tokens, temperature and stop
+
     max_prefill_tokens: int = 16384
     max_vit_tiles: int = 64
     workers: int = 0
     prefetch: int = 32
+    token_id: Callable[[str], int | None] = lambda text: None  # a stop string -> its single token id
 
 
 class Pipeline:
-    """Drives rows through preprocessing, batching, the engine and the writer; counts what it did."""
+    """Drives rows through preprocessing, admission (`scheduler.next_batch`), the engine's sequences in flight and
+    the writer; counts what it did. Each row is written as soon as it finishes."""
 
     def __init__(
         self, flow: Flow, write: Callable[[dict], None], t0: float, progress: tqdm | None = None
     ) -> None:
         self.flow, self.write, self.t0, self.progress = flow, write, t0, progress
         self.batch_id = 0
-        self.last_end = t0  # when the engine last returned: from then on it waits for the next batch
+        self.last_busy = t0  # when the engine last finished work: from then on it waits for input
         self.counts = {
             "rows": 0,
             "errors": 0,
@@ -313,49 +294,112 @@ class Pipeline:
             "skipped": 0,
         }
         self.exit_after = int(os.environ.get(EXIT_AFTER_ENV, 0))
-        self.outstanding: set[int] = set()  # source indexes handed to the batcher, not yet written
+        self.outstanding: set[int] = set()  # source indexes taken from the preparer, not yet written
         self.deferred: deque[tuple[int, dict]] = deque()  # error rows waiting for the rows before them
+        self.ready: deque[Item] = deque()  # prepared rows waiting for admission
 
     def run(
         self, rows: Iterable[SourceRow], done: set[str] = frozenset(), prep: Preparer | None = None
     ) -> dict:
         """Process `rows`, skipping ids in `done`; returns counts. `prep` may be started early (warm workers)."""
-        f = self.flow
+        f, eng = self.flow, self.flow.engine
         if prep is None:  # (not `prep or ...`: an idle Preparer has len 0)
             prep = Preparer(f.preprocessor, f.workers, f.prefetch)
+        source = iter(rows)
         try:
-            for batch in pack(self._prepared(rows, done, prep), f.max_prefill_tokens, f.max_vit_tiles):
-                self._run_batch(batch)
+            while True:
+                self._top_up(source, done, prep, wait=not eng.active and not self.ready)
+                if not self.ready and not eng.active:
+                    break  # every row is done
+                batch = (
+                    next_batch(self.ready, eng, f.max_prefill_tokens, f.max_vit_tiles) if self.ready else []
+                )
+                if batch:
+                    self._admit(batch)
+                elif eng.active:
+                    self._step()
+                else:  # an idle engine cannot take the first row: it never will
+                    it = self.ready.popleft()
+                    need, have = eng.blocks_needed(it.request), eng.pool.num_blocks - 1
+                    self._fail(it, f"needs {need} KV blocks; the engine's whole pool has {have}")
                 self._flush_errors()
             self._flush_errors()
         finally:
             prep.close()
         return self.counts
 
-    def _prepared(self, rows: Iterable[SourceRow], done: set[str], prep: Preparer) -> Iterator[Item]:
-        """Prepared items in source order; error rows are set aside until the rows before them are written."""
-        source = iter(rows)
-        exhausted = False
-        while True:
-            while not exhausted and prep.has_room():
+    def _top_up(self, source: Iterator[SourceRow], done: set[str], prep: Preparer, wait: bool) -> None:
+        """Feed the preparer, and move prepared rows to `ready` (up to `prefetch` of them) without waiting, or, with
+        `wait` (the engine is idle), waiting for one. Error rows are set aside until the rows before them are written."""
+        while len(self.ready) < self.flow.prefetch:
+            while prep.has_room():
                 row = next(source, None)
                 if row is None:
-                    exhausted = True
-                elif row.id in done:
+                    break
+                if row.id in done:
                     self.counts["skipped"] += 1
                     self._tick(0, 0)
                 elif row.error:  # e.g. duplicate id: keeps its place in line behind the first occurrence
                     prep.put_done(Item(row, time.perf_counter(), error=row.error))
                 else:
                     prep.submit(Item(row, time.perf_counter()))
-            if not len(prep):
+            if not len(prep) or not (wait or prep.head_ready()):
                 return
             item = prep.pop()
             if item.error:
                 self.deferred.append((item.row.index, self._error_row(item)))
+                continue
+            self.outstanding.add(item.row.index)
+            try:
+                item.request = self._request(item)
+            except ValueError as e:
+                self._fail(item, str(e))
+                continue
+            self.ready.append(item)
+            wait = False
+
+    def _request(self, it: Item) -> Any:
+        from batchvl.engine import Request
+
+        p = it.prepared
+        ids = torch.tensor(p.input_ids, dtype=torch.int64)
+        return Request(ids, p.pixel_values, p.image_key, self._sampling(it.row.generation), handle=it)
+
+    def _sampling(self, own: dict | None) -> Sampling:
+        """The job's sampling with the row's own settings; ValueError (the row's error) for a bad value."""
+        job = self.flow.sampling
+        if not own:
+            return job
+        out = {}
+        m = own.get("max_new_tokens")
+        if m is not None:
+            if isinstance(m, float) and m.is_integer():
+                m = int(m)
+            if not isinstance(m, int) or isinstance(m, bool) or not 1 <= m <= job.max_new_tokens:
+                raise ValueError(f"max_new_tokens: expected an integer in 1..{job.max_new_tokens} "
+                                 f"(generation.max_new_tokens caps it), got {m!r}")  # fmt: skip
+            out["max_new_tokens"] = m
+        t = own.get("temperature")
+        if t is not None:
+            if not isinstance(t, (int, float)) or isinstance(t, bool) or not 0 <= t < float("inf"):
+                raise ValueError(f"temperature: expected a number >= 0, got {t!r}")
+            out["temperature"] = float(t)
+        stop = own.get("stop")
+        if stop is not None:
+            out["stop_token_ids"] = job.stop_token_ids + tuple(self._stop_ids(stop))
+        return replace(job, **out)
+
+    def _stop_ids(self, stop: Any) -> list[int]:
+        """A stop token id, a stop token's text, or a list of them -> token ids."""
+        ids = []
+        for x in stop if isinstance(stop, (list, tuple)) else [stop]:
+            if isinstance(x, int) and not isinstance(x, bool) and x >= 0:
+                ids.append(x)
+            elif isinstance(x, str) and self.flow.token_id(x) is not None:
+                ids.append(self.flow.token_id(x))
             else:
-                self.outstanding.add(item.row.index)
-                yield item
+                raise ValueError(f"stop: {x!r} is neither a token id nor the text of one token")
+        return ids
 
     def _error_row(self, item: Item) -> dict:
         return base_row(item, self.t0) | {"t_done_s": time.perf_counter() - self.t0}
@@ -367,53 +411,46 @@ class Pipeline:
         while self.deferred and (first_open is None or self.deferred[0][0] < first_open):
             self._emit(self.deferred.popleft()[1])
 
-    @staticmethod
-    def _requests(batch: list[Item]) -> list:
-        from batchvl.engine import Request
-
-        return [
-            Request(
-                torch.tensor(it.prepared.input_ids, dtype=torch.int64),
-                it.prepared.pixel_values,
-                it.prepared.image_key,
-            )
-            for it in batch
-        ]
-
-    def _run_batch(self, batch: list[Item]) -> None:
-        """One whole engine call; on an exception retry the rows one at a time, then give up on failing ones."""
+    def _admit(self, batch: list[Item]) -> None:
+        """Prefill a batch; on an exception retry its rows one at a time, then give up on failing ones."""
         t_batch = time.perf_counter()
-        wait_ms = max(0.0, t_batch - self.last_end) * 1e3
-        res, why = _attempt(self.flow.engine.run_batch, self._requests(batch), self.flow.sampling)
+        wait_ms = max(0.0, t_batch - self.last_busy) * 1e3
+        finished, why = _attempt(self.flow.engine.admit, [it.request for it in batch])
+        self.last_busy = time.perf_counter()
         if why is not None:
-            self._retry(batch, why)
-            return
-        self.last_end = time.perf_counter()
-        self._results(batch, t_batch, res, wait_ms)
-
-    def _retry(self, batch: list[Item], why: str) -> None:
-        if len(batch) > 1:
+            if len(batch) == 1:
+                return self._fail(batch[0], f"engine: {why}")
             log.warning("engine failed on a batch of %d rows (%s); retrying them one by one", len(batch), why)
-            for item in batch:
-                self._run_batch([item])
+            for it in batch:
+                self._admit([it])
             return
-        log.warning("engine failed on row %s: %s", batch[0].row.id, why)
-        batch[0].error = f"engine: {why}"
-        self.outstanding.discard(batch[0].row.index)
-        self._emit(self._error_row(batch[0]))
-
-    def _results(self, batch: list[Item], t_batch: float, res: Any, wait_ms: float) -> None:
-        if len(res.output_ids) != len(batch):
-            self._retry(
-                batch, RuntimeError(f"engine returned {len(res.output_ids)} outputs for {len(batch)}")
-            )
-            return
+        for it in batch:
+            it.batch_id, it.t_batch, it.wait_ms = self.batch_id, t_batch, wait_ms
         self.batch_id += 1
         self.counts["batches"] += 1
-        for i, it in enumerate(batch):
-            text = self.flow.decode(res.output_ids[i])
+        self._results(finished)
+
+    def _step(self) -> None:
+        """One decode step; if it fails, every sequence in flight fails with it."""
+        finished, why = _attempt(self.flow.engine.step)
+        self.last_busy = time.perf_counter()
+        if why is None:
+            return self._results(finished)
+        log.warning("a decode step failed (%s); its %d rows fail", why, self.flow.engine.active)
+        for it in self.flow.engine.abort():
+            self._fail(it, f"engine: {why}")
+
+    def _results(self, finished: list) -> None:
+        for res in finished:
+            it = res.handle
             self.outstanding.discard(it.row.index)
-            self._emit(result_row(it, self.t0, self.batch_id - 1, t_batch, res, i, text, wait_ms))
+            self._emit(result_row(it, self.t0, res, self.flow.decode(res.output_ids)))
+
+    def _fail(self, item: Item, why: str) -> None:
+        log.warning("row %s failed: %s", item.row.id, why)
+        item.error = why
+        self.outstanding.discard(item.row.index)
+        self._emit(self._error_row(item))
 
     def _emit(self, row: dict) -> None:
         self.write(row)

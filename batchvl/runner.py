@@ -79,14 +79,14 @@ def build_engine(
     eos_token_ids: tuple[int, ...] = (),
     ctx: dist.DistContext | None = None,
 ) -> Any:
-    """The model, ready to serve, and the engine over it; fails early when a full batch cannot fit."""
+    """The model, ready to serve, and the engine over it (its KV pool sized from the memory left)."""
     from batchvl.engine import Engine
     from batchvl.model.build import build_model
 
     model, encode = build_model(job.model, job.engine, device, dtype, ctx)
-    engine = Engine(model, model.cfg, job.engine, device, dtype, eos_token_ids, encode_fn=encode)
-    engine.check_memory(job.engine.max_prefill_tokens, job.generation.max_new_tokens)
-    return engine
+    longest = job.preprocess.max_input_tokens + job.generation.max_new_tokens
+    return Engine(model, model.cfg, job.engine, device, dtype, eos_token_ids, encode, longest,
+                  seed=job.generation.seed)  # fmt: skip
 
 
 def preprocess_config(job: Job, cfg: InternVLConfig) -> PreprocessConfig:
@@ -109,6 +109,12 @@ def stop_token_ids(tokenizer: Any) -> tuple[int, ...]:
     """The template's end-of-turn token and the tokenizer's eos."""
     ids = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")}
     return tuple(sorted(i for i in ids if isinstance(i, int) and i >= 0 and i != tokenizer.unk_token_id))
+
+
+def single_token(tokenizer: Any, text: str) -> int | None:
+    """The id of the one token `text` encodes to, else None (a row's stop strings must be single tokens)."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return ids[0] if len(ids) == 1 else None
 
 
 def versions() -> dict[str, str]:
@@ -188,6 +194,10 @@ def run_job(
         t_load = time.perf_counter()
         engine = engine_factory(job, device, dtype, stop_token_ids(tokenizer), ctx)
         load_s = time.perf_counter() - t_load
+        t_warm = time.perf_counter()  # before any row flows: no preprocessing thread runs during the captures
+        graphs = engine.warm_up() if hasattr(engine, "warm_up") else 0
+        warm_s = time.perf_counter() - t_warm
+        log.info("warm-up %.1f s (%d decode graphs)", warm_s, graphs)
         log.info("model ready in %.1f s (%s, %s, %s)", load_s, m.path or m.preset, device, dtype)
         g = job.generation
         sampling = _sampling(g)
@@ -196,10 +206,11 @@ def run_job(
             pre,
             lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
             sampling,
-            job.engine.max_prefill_tokens,
+            engine.max_prefill_tokens,
             job.engine.max_vit_tiles,
             p.workers,
             p.prefetch,
+            token_id=lambda text: single_token(tokenizer, text),
         )
         done = done_ids(out) if decision == "resume" else set()
         writer = PartWriter(out, ctx.rank, job.output.rows_per_part) if ctx.is_writer else None
@@ -223,9 +234,12 @@ def run_job(
     log.info("rank done in %.1f s: %s", duration, counts)
     compile_stats = getattr(getattr(engine, "encode_fn", None), "stats", None)
     if compile_stats is not None:
-        counts = counts | {"vit_compile": compile_stats.summary()}
+        counts = counts | {
+            "vit_compile": compile_stats.summary(),
+            "vit_compile_s": compile_stats.total_compile_s,
+        }
         log.info("%s", counts["vit_compile"])
-    counts = counts | dict(getattr(engine, "counters", {}))  # cache hits
+    counts = counts | dict(getattr(engine, "counters", {}))  # cache hits, decode steps and their rows
     if device.type == "cuda":
         counts["peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     step = getattr(engine, "decode_step", None)
@@ -241,15 +255,28 @@ def run_job(
             "ended_at": _now(),
             "duration_s": duration,
             "load_s": load_s,
+            "warm_up_s": warm_s,
             "world_size": ctx.world_size,
             "counts": all_counts,
         }
     ]
-    summary = summarize(read_rows(out), sum(r["duration_s"] for r in runs))
+    summary = summarize(read_rows(out), sum(r["duration_s"] for r in runs)) | startup(runs[-1])
     write_summary(out, summary)
     write_manifest(out, manifest | {"ended_at": runs[-1]["ended_at"], "status": "done", "runs": runs})
     click.echo(format_summary(summary))
     return summary
+
+
+def startup(run: dict) -> dict:
+    """This run's start-up seconds (model ready, decode graphs, the ViT's compiles during the job) and the mean
+    number of sequences each decode step carried."""
+    counts = run["counts"]
+    steps = sum(c.get("decode_steps", 0) for c in counts)
+    out = {"load_s": run["load_s"], "warm_up_s": run.get("warm_up_s", 0.0),
+           "vit_compile_s": max((c.get("vit_compile_s", 0.0) for c in counts), default=0.0)}  # fmt: skip
+    if steps:
+        out["mean_active_rows"] = sum(c.get("decode_rows", 0) for c in counts) / steps
+    return out
 
 
 def _sampling(g: Any) -> Any:

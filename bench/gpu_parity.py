@@ -27,7 +27,7 @@ from batchvl.job import EngineSpec  # noqa: E402
 from batchvl.llm.decode_step import decode_forward  # noqa: E402
 from batchvl.model.build import prepare_llm  # noqa: E402
 from batchvl.model.loader import random_model  # noqa: E402
-from batchvl.ops.decode_attention import decode_attention, decode_attention_reference  # noqa: E402
+from batchvl.ops.decode_attention import BLOCK, decode_attention, decode_attention_reference  # noqa: E402
 from batchvl.ops.prefill_attention import prefill_backend  # noqa: E402
 
 
@@ -56,8 +56,7 @@ def divergence(eng16: Engine, eng32: Engine, reqs: list, got: list, want: list) 
             if unpad:
                 llm._head_padded = None  # lm_head.weight is a view of the same values
             with torch.inference_mode():
-                feats, _ = e.encode([reqs[r]])
-                lg = e._prefill([ids], feats, [0], None, extra=0)[0][0].float()
+                lg = e.prefill_logits([replace(reqs[r], input_ids=ids)])[0].float()
             llm._head_padded = saved
             top = lg.topk(2)
             ref = lg if ref is None else ref  # the first engine is fp32
@@ -67,12 +66,27 @@ def divergence(eng16: Engine, eng32: Engine, reqs: list, got: list, want: list) 
     return "no divergence"
 
 
+def cache_free_meta(lengths: list[int], dev, backend: str):
+    """Positions and attention metadata of a packed prefill that writes no KV pool (its block table all zeros)."""
+    table = torch.zeros(len(lengths), -(-max(lengths) // BLOCK), dtype=torch.int32, device=dev)
+    return packed_meta(lengths, [0] * len(lengths), table, backend)
+
+
+def engine(model, cfg, spec: EngineSpec, dev, dtype, encode=None) -> Engine:
+    """An engine with a small KV pool (several live side by side here)."""
+    return Engine(model, cfg, spec, dev, dtype, encode_fn=encode, max_seq_len=4096, pool_blocks=512)
+
+
+def generate(eng: Engine, reqs: list[Request], s: Sampling) -> list[list[int]]:
+    return [f.output_ids for f in eng.generate([replace(r, sampling=s) for r in reqs])]
+
+
 def reference_logits(model, ids: list[torch.Tensor], feats: list, dev) -> torch.Tensor:
     """Last-token logits [B, V] of the plain path: every layer over every token, SDPA, no cache."""
     flat = torch.cat(ids).to(dev)
     with torch.inference_mode():
         h = model.embed(flat, torch.cat([f for f in feats if f is not None]))
-        pos, meta = packed_meta([len(t) for t in ids], [0] * len(ids), dev, "sdpa")
+        pos, meta = cache_free_meta([len(t) for t in ids], dev, "sdpa")
         return model.llm.logits(model.llm(h, pos, meta, None)[meta.cu_seqlens[1:].long() - 1])
 
 
@@ -124,10 +138,10 @@ def main() -> int:
             rows.append((preset, "(fp8) ViT+projector compiled, FP8 linears vs bf16 compiled", rel(f8, fd)))
             rows.append((preset, "(fp8) ViT+projector compiled, FP8 linears vs fp32", rel(f8, f32)))
             flat = torch.cat(ids).to(dev)
-            pos, meta = packed_meta(lens, [0] * 3, dev, "sdpa")
+            pos, meta = cache_free_meta(lens, dev, "sdpa")
             b = ref.llm(ref.llm.embed_tokens(flat), pos, meta, None)  # the fp32 reference
             for backend in ("sdpa", "varlen", "cudnn") if dev.type == "cuda" else ("sdpa", "cudnn"):
-                pos, meta = packed_meta(lens, [0] * 3, dev, backend)
+                pos, meta = cache_free_meta(lens, dev, backend)
                 a = fast.llm(fast.llm.embed_tokens(flat), pos, meta, None)
                 rows.append((preset, f"LLM packed prefill {backend} bf16 vs fp32", rel(a, b)))
             # the model as the builder prepares it: padded lm_head, compiled layers, compiled ViT
@@ -135,7 +149,7 @@ def main() -> int:
             prepare_llm(compiled.llm, compile=True)
             compiled_vit = CompiledEncoder(compiled.vision)
             backend = prefill_backend(dev, torch.bfloat16, cfg.llm.head_dim, lens, False, True)
-            pos, meta = packed_meta(lens, [0] * 3, dev, backend)
+            pos, meta = cache_free_meta(lens, dev, backend)
             a = compiled.llm(compiled.llm.embed_tokens(flat), pos, meta, None)
             rows.append((preset, f"LLM packed prefill {backend}, compiled layers bf16 vs fp32", rel(a, b)))
             # context for the LLM rows: the bf16 error of transformers' own decoder on the same weights and inputs
@@ -146,19 +160,16 @@ def main() -> int:
             del hf
             # last-token logits: the engine's prefill (last layer for last tokens only; with a cached prefix, new
             # tokens after it) against the fp32 reference run over every token
-            eng32 = Engine(ref, cfg, EngineSpec(eager=True), dev, torch.float32)
             img = [cfg.image_token_id] * (256 * 7)
             preqs = [Request(torch.tensor(list(range(100, 140)) + img + q.tolist()[:50]), pv.cpu(), "tiger")
                      for q in ids]  # fmt: skip
             ids3 = [r.input_ids for r in preqs]
-            f32_, _ = eng32.encode(preqs)
-            full32 = reference_logits(ref, ids3, f32_, dev)
-            for name, eng16 in (("eager layers", Engine(fast, cfg, EngineSpec(prefix_cache=True), dev, torch.bfloat16)),
-                                ("compiled layers", Engine(compiled, cfg, EngineSpec(prefix_cache=True), dev, torch.bfloat16))):  # fmt: skip
-                f16, _ = eng16.encode(preqs)
-                lg, _ = eng16._prefill(ids3, f16, [0] * 3, None, extra=0)
+            full32 = reference_logits(ref, ids3, [ref.encode_images(pv)] * 3, dev)
+            for name, m in (("eager layers", fast), ("compiled layers", compiled)):
+                eng16 = engine(m, cfg, EngineSpec(prefix_cache=True), dev, torch.bfloat16)
+                lg = eng16.prefill_logits(preqs)  # the first fills the prefix cache
                 rows.append((preset, f"last-token logits, {name} bf16 vs fp32", rel(lg, full32)))
-                lg, _ = eng16._prefill(*eng16._use_prefix_cache(preqs, f16), extra=0)
+                lg = eng16.prefill_logits(preqs)  # new tokens after the cached prefix's blocks
                 rows.append(
                     (preset, f"last-token logits, {name}, prefix cache bf16 vs fp32", rel(lg, full32))
                 )
@@ -171,8 +182,8 @@ def main() -> int:
         # greedy tokens of whole requests: bf16 engines vs the fp32 eager engine
         reqs = preqs
         s = Sampling(max_new_tokens=4, ignore_eos=True)
-        e32 = Engine(ref, cfg, EngineSpec(eager=True), dev, torch.float32)
-        want = e32.run_batch(reqs, s).output_ids
+        e32 = engine(ref, cfg, EngineSpec(eager=True), dev, torch.float32)
+        want = generate(e32, reqs, s)
         for name, model, spec, encode in (
             ("eager", fast, EngineSpec(eager=True), None),
             ("eager layers, graphed decode", fast, EngineSpec(), None),
@@ -180,8 +191,9 @@ def main() -> int:
             ("default + caches", compiled, EngineSpec(image_cache=True, prefix_cache=True), compiled_vit),
             ("(fp8) FP8 ViT linears, compiled, graphed", compiled, EngineSpec(), fp8_encode),
         ):  # fmt: skip
-            eng = Engine(model, cfg, spec, dev, torch.bfloat16, encode_fn=encode)
-            got = eng.run_batch(reqs, s).output_ids
+            eng = engine(model, cfg, spec, dev, torch.bfloat16, encode)
+            eng.warm_up()
+            got = generate(eng, reqs, s)
             agree = agreement(got, want)
             label = f"greedy tokens {name} == fp32 (fraction)"
             rows.append(
@@ -189,35 +201,42 @@ def main() -> int:
             )
             if agree < 1:
                 print(f"{preset} {name}: {divergence(eng, e32, reqs, got, want)}", flush=True)
-        # one decode step: CUDA graph replay vs the same step eagerly, bf16, and vs fp32
-        eng = Engine(compiled, cfg, EngineSpec(), dev, torch.bfloat16)
+        # one decode step: CUDA graph replay vs the same step eagerly, bf16, and vs fp32, on the sequences in flight
+        eng = engine(compiled, cfg, EngineSpec(), dev, torch.bfloat16)
         with torch.inference_mode():
-            lg32, c32 = e32._prefill(ids3, f32_, [0] * 3, None, extra=4)
-            lg16, c16 = eng._prefill(ids3, eng.encode(reqs)[0], [0] * 3, None, extra=4)
-            tok = lg32.argmax(
-                -1
-            ).tolist()  # fp32's first tokens for both, so the steps compare the same tokens
-            lengths = [len(t) for t in ids3]
-            t16, n16 = (torch.tensor(v + [0] * (c16.rows - 3), device=dev) for v in (tok, lengths))
-            t32, n32 = (torch.tensor(v + [0] * (c32.rows - 3), device=dev) for v in (tok, lengths))
-            graphed = eng.decode_step(t16, n16, c16)[:3].clone()
-            eager = decode_forward(compiled.llm, t16, n16, c16)[:3]
-            l32 = decode_forward(ref.llm, t32, n32, c32)[:3]
+            steps = []
+            for e, llm in ((eng, compiled.llm), (e32, ref.llm)):
+                e.admit([replace(r, sampling=s) for r in reqs])
+                live = [q for q in e.rows if q is not None]
+                tok = torch.tensor(
+                    [want[i][0] for i in range(3)] + [0] * 5, device=dev
+                )  # fp32's first tokens
+                pos = torch.tensor([q.length for q in live] + [0] * 5, device=dev)
+                steps.append((e, llm, tok, pos))
+            (e16, l16, tok, pos), (e32_, l32_, _, _) = steps
+            graphed = e16.decode_step(tok, pos, e16.tables[:8], e16.pool)[:3].clone()
+            eager = decode_forward(l16, tok, pos, e16.tables[:8], e16.pool)[:3]
+            l32 = decode_forward(l32_, tok, pos, e32_.tables[:8], e32_.pool)[:3]
+            e16.abort(), e32_.abort()
         rows.append(
             (preset, "decode-step logits, CUDA graph vs eager (both bf16) vs fp32", rel(graphed, eager))
         )
         rows.append((preset, "decode-step logits, CUDA graph bf16 vs fp32", rel(graphed, l32)))
         # the decode attention op alone (Triton split-key kernel in bf16) vs its reference in fp32, at the seed
-        # job's decode shapes: 40 cache rows of 2048 slots, 33 of ~1990 valid keys, 7 padding rows of 1
+        # job's decode shapes: 40 sequences, 33 of ~1990 keys and 7 padding rows of 1, in shuffled pool blocks
         c = cfg.llm
-        # its own generator: the next preset's inputs stay as they were
-        gd = torch.Generator(device="cpu").manual_seed(1)
-        kc, vc = (torch.randn(40, c.num_kv_heads, 2048, c.head_dim, generator=gd).to(dev) for _ in range(2))
+        gd = torch.Generator(device="cpu").manual_seed(
+            1
+        )  # its own: the next preset's inputs stay as they were
+        kc, vc = (
+            torch.randn(1300, c.num_kv_heads, BLOCK, c.head_dim, generator=gd).to(dev) for _ in range(2)
+        )
+        table = torch.randperm(1299, generator=gd)[: 40 * 32].view(40, 32).int().add(1).to(dev)
         qd = torch.randn(40, c.num_heads, c.head_dim, generator=gd).to(dev)
         kv_lens = torch.tensor([1990 - 3 * i for i in range(33)] + [1] * 7, device=dev)
         with torch.inference_mode():
-            d16 = decode_attention(*(t.to(torch.bfloat16) for t in (qd, kc, vc)), kv_lens)
-            d32 = decode_attention_reference(qd, kc, vc, kv_lens)
+            d16 = decode_attention(*(t.to(torch.bfloat16) for t in (qd, kc, vc)), kv_lens, table)
+            d32 = decode_attention_reference(qd, kc, vc, kv_lens, table)
         rows.append((preset, "decode attention op (Triton kernel) bf16 vs fp32 reference", rel(d16, d32)))
     # bf16 limit: 1e-2, or for the LLM rows 1.25x transformers' own bf16 error on the same weights and inputs
     # (random weights make the LLM's bf16 error larger than trained weights do; both are printed)

@@ -1,42 +1,46 @@
-"""One decode step of the whole decoder: eager, or replayed from a CUDA graph (gpt-fast's "reduce-overhead",
-by hand). Decode at 64 layers is thousands of small kernels per token; a graph launches them as one.
+"""One decode step of the whole decoder over the sequences in flight: eager, or replayed from a CUDA graph
+(gpt-fast's "reduce-overhead", by hand). Decode at 64 layers is thousands of small kernels per token; a graph
+launches them as one.
 
-A graph bakes in addresses, so it is keyed by the KV cache's shape and buffers: `KVArena` gives every batch of
-the same padded (rows, max_len) the same buffers, so a graph captured for one batch replays for the next.
+A graph bakes in addresses: the KV pool and the engine's block table never move, so a graph is keyed by the number of
+rows alone, padded up to a bucket (`row_bucket`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
-from batchvl.llm.kv_cache import KVCache
+from batchvl.llm.kv_cache import KVPool
+from batchvl.ops.decode_attention import BLOCK
 from batchvl.ops.prefill_attention import AttnMeta
 
 log = logging.getLogger(__name__)
 
 
-def round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
+def row_bucket(rows: int) -> int:
+    """8, 16, 32, ... : the decode graphs' row counts."""
+    return max(8, 1 << (rows - 1).bit_length())
 
 
-def decode_forward(llm, tok: torch.Tensor, pos: torch.Tensor, cache: KVCache) -> torch.Tensor:
-    """tok [R] at positions pos [R] (row r writes its k/v at pos[r]) -> next-token logits [R, V] float32.
-    No host syncs, so it can be captured."""
+def decode_forward(
+    llm, tok: torch.Tensor, pos: torch.Tensor, table: torch.Tensor, pool: KVPool
+) -> torch.Tensor:
+    """tok [R] at positions pos [R], each row's blocks in table [R, W] (row r writes its k / v at pos[r]) ->
+    next-token logits [R, V] float32. No host syncs, so it can be captured."""
     rows = tok.shape[0]
-    idx = torch.arange(rows, device=tok.device)
     meta = AttnMeta(
         cu_seqlens=torch.arange(rows + 1, device=tok.device, dtype=torch.int32),
         max_seqlen=1,
-        slot_b=idx,
-        slot_pos=pos,
+        slot_b=table.gather(1, (pos // BLOCK)[:, None])[:, 0].long(),
+        slot_pos=pos % BLOCK,
         is_decode=True,
         kv_lens=pos + 1,
+        block_table=table,
     )
-    h = llm(llm.embed_tokens(tok), pos, meta, cache, max_position=-1)  # positions checked by the caller
+    h = llm(llm.embed_tokens(tok), pos, meta, pool, max_position=-1)  # positions checked by the caller
     return llm.logits(h)
 
 
@@ -49,52 +53,51 @@ class _Graph:
 
 
 class DecodeStep:
-    """`step(tok, pos, cache)` = `decode_forward`, through a CUDA graph per cache shape when `graphs` is on."""
+    """`step(tok, pos, table, pool)` = `decode_forward`, through a CUDA graph per row count when `graphs` is on.
+    `table` must be a view from row 0 of one persistent tensor, and `pool` the same pool, at every call."""
 
-    def __init__(self, llm, graphs: bool, max_graphs: int = 16):
-        self.llm, self.graphs, self.max_graphs = llm, graphs, max_graphs
-        self.cache: OrderedDict[tuple, _Graph] = OrderedDict()
-        self.captures = 0
+    def __init__(self, llm, graphs: bool):
+        self.llm, self.graphs = llm, graphs
+        self.cache: dict[int, _Graph] = {}
+        self.mempool = None  # one memory pool for every graph: only one replays at a time
         self.failed: str | None = None  # why capturing failed, if it did (then `graphs` is off)
 
-    def __call__(self, tok: torch.Tensor, pos: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    @property
+    def captures(self) -> int:
+        return len(self.cache)
+
+    def __call__(
+        self, tok: torch.Tensor, pos: torch.Tensor, table: torch.Tensor, pool: KVPool
+    ) -> torch.Tensor:
         if not self.graphs:
-            return decode_forward(self.llm, tok, pos, cache)
-        key = (tuple(cache.k.shape), cache.k.data_ptr(), cache.v.data_ptr(), tok.dtype)
-        g = self.cache.get(key)
+            return decode_forward(self.llm, tok, pos, table, pool)
+        g = self.cache.get(tok.shape[0])
         if g is None:
             try:
-                g = self._capture(tok, pos, cache)
+                g = self.cache[tok.shape[0]] = self._capture(tok, pos, table, pool)
             except Exception as e:  # noqa: BLE001 - a job should slow down, not fail: decode eagerly from now on
-                log.warning(
-                    "CUDA graph capture of the decode step failed (%s: %s); decoding eagerly from now on",
-                    type(e).__name__,
-                    e,
-                )
+                log.warning("CUDA graph capture of the decode step failed (%s: %s); decoding eagerly from now on",
+                            type(e).__name__, e)  # fmt: skip
                 self.graphs, self.failed = False, f"{type(e).__name__}: {e}"
                 self.cache.clear()
-                if tok.is_cuda:
-                    torch.cuda.synchronize(tok.device)
-                return decode_forward(self.llm, tok, pos, cache)
-            self.cache[key] = g
-            while len(self.cache) > self.max_graphs:
-                self.cache.popitem(last=False)
-        self.cache.move_to_end(key)
+                torch.cuda.synchronize(tok.device)
+                return decode_forward(self.llm, tok, pos, table, pool)
         g.tok.copy_(tok)
         g.pos.copy_(pos)
         g.graph.replay()
         return g.logits
 
-    def _capture(self, tok: torch.Tensor, pos: torch.Tensor, cache: KVCache) -> _Graph:
-        """Warm up on a side stream (the step's k/v writes are the ones the replay makes again), then capture."""
+    def _capture(self, tok: torch.Tensor, pos: torch.Tensor, table: torch.Tensor, pool: KVPool) -> _Graph:
+        """Warm up on a side stream (the step's k / v writes are the ones the replay makes again), then capture.
+        thread_local: another thread's CUDA call (e.g. pinning a batch's tiles) does not break the capture."""
         s_tok, s_pos = tok.clone(), pos.clone()
         side = torch.cuda.Stream(tok.device)
         side.wait_stream(torch.cuda.current_stream(tok.device))
         with torch.cuda.stream(side):
-            decode_forward(self.llm, s_tok, s_pos, cache)
+            decode_forward(self.llm, s_tok, s_pos, table, pool)
         torch.cuda.current_stream(tok.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            logits = decode_forward(self.llm, s_tok, s_pos, cache)
-        self.captures += 1
+        self.mempool = self.mempool or torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self.mempool, capture_error_mode="thread_local"):
+            logits = decode_forward(self.llm, s_tok, s_pos, table, pool)
         return _Graph(graph, s_tok, s_pos, logits)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchvl.config import LLMConfig
-from batchvl.llm.kv_cache import KVCache
+from batchvl.llm.kv_cache import KVPool
 from batchvl.ops.decode_attention import decode_attention
 from batchvl.ops.norm import RMSNorm
 from batchvl.ops.prefill_attention import AttnMeta, prefill_attention
@@ -82,7 +82,7 @@ class Attention(nn.Module):
     def forward(
         self, x, cos, sin, meta: AttnMeta, kv: tuple[torch.Tensor, torch.Tensor] | None
     ) -> torch.Tensor:
-        """x [T, hidden]; kv: this layer's cache (k, v), each [rows, kv_heads, max_len, head_dim], or None."""
+        """x [T, hidden]; kv: this layer's pool (k, v), each [blocks, kv_heads, BLOCK, head_dim], or None."""
         t = x.shape[0]
         q_sz, kv_sz = self.n_heads * self.head_dim, self.n_kv * self.head_dim
         q, k, v = self.qkv(x).split([q_sz, kv_sz, kv_sz], dim=-1)
@@ -94,7 +94,7 @@ class Attention(nn.Module):
             kc[meta.slot_b, :, meta.slot_pos] = k
             vc[meta.slot_b, :, meta.slot_pos] = v
         if meta.is_decode:
-            o = decode_attention(q, kc, vc, meta.kv_lens)
+            o = decode_attention(q, kc, vc, meta.kv_lens, meta.block_table)
         else:
             o = prefill_attention(q, k, v, meta, kc, vc)
         return self.o_proj(o.reshape(t, q_sz))
@@ -102,9 +102,9 @@ class Attention(nn.Module):
     def forward_last(
         self, x, cos, sin, meta: AttnMeta, kv: tuple[torch.Tensor, torch.Tensor], last: torch.Tensor
     ) -> torch.Tensor:
-        """`forward(...)[last]` for a prefill into a cache, computing only those queries: x [T, hidden], last [B]
-        (sequence b's last token; sequence b sits in cache row b, as `packed_meta` places it) -> [B, hidden].
-        Every row's k / v still goes into the cache; the B queries then attend to their rows' keys there."""
+        """`forward(...)[last]` for a prefill into the pool, computing only those queries: x [T, hidden], last [B]
+        (sequence b's last token) -> [B, hidden]. Every token's k / v still goes into the pool; the B queries then
+        attend to their sequences' keys there (`meta.block_table`, `meta.kv_lens`)."""
         t, n = x.shape[0], last.shape[0]
         q_sz, kv_sz = self.n_heads * self.head_dim, self.n_kv * self.head_dim
         w, b = self.qkv.weight, self.qkv.bias
@@ -115,7 +115,7 @@ class Attention(nn.Module):
         vc[meta.slot_b, :, meta.slot_pos] = v.view(t, self.n_kv, self.head_dim)
         q = F.linear(x[last], w[:q_sz], b[:q_sz] if b is not None else None)  # [B, heads * head_dim]
         q = apply_rope(q.view(n, self.n_heads, self.head_dim), cos[last], sin[last])
-        o = decode_attention(q, kc[:n], vc[:n], meta.slot_pos[last] + 1)  # [B, heads, head_dim]
+        o = decode_attention(q, kc, vc, meta.kv_lens, meta.block_table)  # [B, heads, head_dim]
         return self.o_proj(o.reshape(n, q_sz))
 
 
@@ -174,7 +174,7 @@ class Decoder(nn.Module):
         h: torch.Tensor,
         pos: torch.Tensor,
         meta: AttnMeta,
-        cache: KVCache | None,
+        cache: KVPool | None,
         max_position: int | None = None,
         last: torch.Tensor | None = None,
     ) -> torch.Tensor:

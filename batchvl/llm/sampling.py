@@ -19,3 +19,16 @@ def sample(
         probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
     probs = probs / probs.sum(-1, keepdim=True)
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+def sample_rows(logits: torch.Tensor, settings: list, generator: torch.Generator | None) -> torch.Tensor:
+    """logits [B, V] -> token ids [B], row b sampled with settings[b].temperature / .top_p (greedy at 0)."""
+    out = logits.argmax(-1)
+    groups: dict[tuple[float, float], list[int]] = {}
+    for b, s in enumerate(settings):
+        if s.temperature > 0:
+            groups.setdefault((s.temperature, s.top_p), []).append(b)
+    for (temperature, top_p), rows in groups.items():
+        idx = torch.tensor(rows, device=logits.device)
+        out[idx] = sample(logits[idx], temperature, top_p, generator)
+    return out

@@ -8,6 +8,7 @@ returns and changes nothing.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +28,14 @@ TP_VIT_MICRO_BATCHES = (
 )
 
 
+def use_compile_cache(cache_dir: str) -> None:
+    """Inductor's and Triton's on-disk caches under `cache_dir`, unless the environment already names theirs. Read
+    when the first compile happens, so call it before."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(cache_dir, "inductor"))
+    os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(cache_dir, "triton"))
+    torch._inductor.config.fx_graph_cache = True
+
+
 def build_model(
     spec: ModelSpec,
     settings: EngineSpec,
@@ -36,6 +45,8 @@ def build_model(
 ) -> tuple[InternVL, Callable[[torch.Tensor], torch.Tensor]]:
     """(model, encode): the model on `device` (this rank's slice of the LLM under model.tp > 1) and the ViT callable
     tiles [N, 3, S, S] -> image tokens [N, 256, hidden]."""
+    if not settings.eager:
+        use_compile_cache(settings.cache_dir)
     hooks: dict[str, Any] = {}
     if ctx is not None and ctx.tp > 1:  # the ViT stays whole on every rank of the replica
         from batchvl.llm.tp import shard_llm

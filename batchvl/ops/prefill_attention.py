@@ -27,16 +27,19 @@ class AttnMeta:
 
     cu_seqlens: torch.Tensor  # [B+1] int32, prefix sums of the new tokens per sequence
     max_seqlen: int
-    slot_b: torch.Tensor  # [T] int64, which cache row each token goes to
-    slot_pos: torch.Tensor  # [T] int64, its position in that row
+    slot_b: torch.Tensor  # [T] int64, which pool block each token's k / v goes to
+    slot_pos: torch.Tensor  # [T] int64, its slot in that block
     is_decode: bool = False
-    kv_lens: torch.Tensor | None = None  # [B] int64, decode: valid cache length after this step
+    kv_lens: torch.Tensor | None = (
+        None  # [B] int64, each sequence's keys after this step (prefill: its last token's)
+    )
+    block_table: torch.Tensor | None = None  # [B, W] int32, each sequence's pool blocks
     prefix_lens: list[int] | None = None  # prefill: tokens already in the cache per sequence (prefix cache)
     # prefill after a cached prefix: every key each sequence sees (prefix + new), packed
     cu_seqlens_k: torch.Tensor | None = None  # [B+1] int32
     max_seqlen_k: int = 0
-    key_rows: torch.Tensor | None = None  # [Tk] int64
-    key_pos: torch.Tensor | None = None  # [Tk] int64
+    key_rows: torch.Tensor | None = None  # [Tk] int64, pool blocks
+    key_pos: torch.Tensor | None = None  # [Tk] int64, slots in them
     cu_seqlens_host: torch.Tensor | None = None  # cu_seqlens on the CPU (per-sequence loops without a sync)
     backend: str = "sdpa"  # prefill: "sdpa" | "varlen" | "cudnn" (`prefill_backend`)
 
@@ -66,18 +69,18 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask=
 
 
 def prefill_sdpa(q, k, v, meta: AttnMeta, k_cache=None, v_cache=None) -> torch.Tensor:
-    """Reference: causal attention per sequence. With a prefix in the cache, attend to it too."""
+    """Reference: causal attention per sequence. After a cached prefix, each sequence's keys (prefix + new) are
+    gathered from the pool (`meta.key_rows` / `key_pos`) and new token j sees keys <= prefix + j."""
     cu = meta.cu_seqlens.tolist()
+    cu_k = meta.cu_seqlens_k.tolist() if meta.cu_seqlens_k is not None else None
     outs = []
     for i in range(len(cu) - 1):
         s, e = cu[i], cu[i + 1]
         p = meta.prefix_lens[i] if meta.prefix_lens else 0
         if p:
-            row = int(meta.slot_b[s])
-            kk = k_cache[row, :, : p + e - s].transpose(0, 1)  # [prefix + new, Hkv, D]
-            vv = v_cache[row, :, : p + e - s].transpose(0, 1)
+            rows, pos = meta.key_rows[cu_k[i] : cu_k[i + 1]], meta.key_pos[cu_k[i] : cu_k[i + 1]]
+            kk, vv = k_cache[rows, :, pos], v_cache[rows, :, pos]  # [prefix + new, Hkv, D]
             n = e - s
-            # new token j sees cache positions <= p + j
             mask = torch.ones(n, p + n, dtype=torch.bool, device=q.device).tril(diagonal=p)
             outs.append(_sdpa(q[s:e], kk, vv, causal=False, mask=mask))
         else:

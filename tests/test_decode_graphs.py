@@ -1,0 +1,39 @@
+"""CUDA only (run on the GPU machine): decode graphs are captured safely while another thread pins host memory, as
+the preprocessing pipeline's helper thread does for every batch of tiles."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from batchvl.engine import Engine
+from batchvl.model.loader import random_model
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def test_capture_while_another_thread_pins_memory():
+    model, cfg = random_model("tiny-qwen2", torch.device("cuda"), torch.bfloat16, seed=0)
+    eng = Engine(model, cfg, device="cuda", dtype=torch.bfloat16, max_seq_len=4096, pool_blocks=64)
+    stop, errors = threading.Event(), []
+
+    def pin() -> None:
+        while not stop.is_set():
+            try:
+                torch.empty(1 << 20).pin_memory()
+            except Exception as e:  # noqa: BLE001 - the test reports it
+                errors.append(e)
+                return
+
+    t = threading.Thread(target=pin)
+    t.start()
+    try:
+        for _ in range(3):
+            eng.decode_step.cache.clear()  # capture every bucket again, each time under the other thread's pinning
+            captured = eng.warm_up()
+    finally:
+        stop.set()
+        t.join()
+    assert not errors and eng.decode_step.failed is None and captured == 7

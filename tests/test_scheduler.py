@@ -1,0 +1,167 @@
+"""Continuous batching: the engine's sequences in flight over the paged KV pool, against a plain greedy loop that
+recomputes every token without a cache; retirement, stop tokens, shared prefix blocks, admission budgets."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import IMG_CONTEXT_ID
+
+from batchvl.engine import Engine, Request, Sampling
+from batchvl.job import EngineSpec
+from batchvl.model.loader import random_model
+from batchvl.ops.prefill_attention import AttnMeta
+from batchvl.scheduler import next_batch
+
+SYSTEM = list(range(100, 140))
+GREEDY = Sampling(max_new_tokens=6, ignore_eos=True)
+
+
+def _model():
+    model, cfg = random_model("tiny-6b-style", seed=0)
+    with (
+        torch.no_grad()
+    ):  # a larger logit scale makes greedy margins wide, so token comparisons mean something
+        model.llm.lm_head.weight.mul_(20)
+    return model, cfg
+
+
+def _request(
+    image_seed: int | None, question: list[int], sampling: Sampling = GREEDY, tiles: int = 1
+) -> Request:
+    if image_seed is None:
+        return Request(torch.tensor(SYSTEM + question), sampling=sampling)
+    pv = torch.randn(tiles, 3, 448, 448, generator=torch.Generator().manual_seed(image_seed))
+    ids = SYSTEM + [151665] + [IMG_CONTEXT_ID] * (256 * tiles) + [151666, 198] + question
+    return Request(torch.tensor(ids), pv, image_key=f"img{image_seed}", sampling=sampling)
+
+
+def _questions(*lengths: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 150000, (n,), generator=g).tolist() for n in lengths]
+
+
+@torch.inference_mode()
+def reference_greedy(model, r: Request) -> list[int]:
+    """The plain path: every step runs the whole sequence through the eager model, no KV cache, SDPA."""
+    feats = model.encode_images(r.pixel_values) if r.pixel_values is not None else None
+    ids = r.input_ids.tolist()
+    out = []
+    for _ in range(r.sampling.max_new_tokens):
+        t = torch.tensor(ids + out)
+        n = t.shape[0]
+        meta = AttnMeta(
+            cu_seqlens=torch.tensor([0, n], dtype=torch.int32), max_seqlen=n, slot_b=t, slot_pos=t
+        )
+        h = model.llm(model.embed(t, feats), torch.arange(n), meta, None)
+        out.append(int(model.llm.logits(h[-1:]).argmax(-1)))
+        if out[-1] in r.sampling.stop_token_ids:
+            break
+    return out
+
+
+def test_sequences_in_flight_equal_the_plain_greedy_loop():
+    """Rows admitted in two batches while others decode, with their own lengths, equal the cache-free loop."""
+    model, cfg = _model()
+    q = _questions(5, 9, 1, 14, 7)
+    lengths = [6, 2, 9, 1, 4]
+    reqs = [
+        _request(s, qq, replace(GREEDY, max_new_tokens=m)) for s, qq, m in zip([1, 1, 2, None, 3], q, lengths)
+    ]
+    want = [reference_greedy(model, r) for r in reqs]
+    eng = Engine(model, cfg, EngineSpec(), max_seq_len=1024, pool_blocks=64)
+    for i, r in enumerate(reqs):
+        r.handle = i
+    got = {f.handle: f for f in eng.admit(reqs[:3])}
+    got |= {f.handle: f for f in eng.step()}
+    got |= {f.handle: f for f in eng.admit(reqs[3:])}  # joins the two sequences still in flight
+    while eng.active:
+        got |= {f.handle: f for f in eng.step()}
+    assert [got[i].output_ids for i in range(5)] == want
+    assert [len(got[i].output_ids) for i in range(5)] == lengths
+    assert got[3].done_s < got[2].done_s  # the one-token row retired first, on its own
+    assert eng.pool.free == eng.pool.num_blocks - 1  # every block back (block 0 is scratch)
+
+
+def test_a_stop_token_ends_its_row_at_that_step():
+    model, cfg = _model()
+    r = _request(1, _questions(6)[0], replace(GREEDY, max_new_tokens=8))
+    free_run = reference_greedy(model, r)
+    k = next(i for i in range(2, 8) if free_run[i] not in free_run[:i])  # a token first produced at step k
+    eng = Engine(model, cfg, max_seq_len=1024, pool_blocks=32)
+    stopped = replace(r, sampling=replace(r.sampling, stop_token_ids=(free_run[k],)))
+    assert eng.generate([stopped])[0].output_ids == free_run[: k + 1]
+    assert eng.generate([r])[0].output_ids == free_run
+
+
+def test_shared_prefix_blocks_are_read_by_several_rows_and_freed():
+    model, cfg = _model()
+    q = _questions(5, 9, 3)
+    reqs = [_request(7, qq) for qq in q]
+    want = [reference_greedy(model, r) for r in reqs]
+    eng = Engine(model, cfg, EngineSpec(prefix_cache=True), max_seq_len=1024, pool_blocks=64)
+    first = eng.generate(reqs[:1])  # fills the prefix cache: 40 + 1 + 256 tokens, 4 full blocks of 64
+    held = eng.pool.num_blocks - 1 - eng.pool.free
+    assert first[0].output_ids == want[0] and held == 4
+    for i, r in enumerate(reqs):
+        r.handle = i
+    eng.admit(reqs[1:])
+    shared = eng.prefix_cache[next(iter(eng.prefix_cache))][0]
+    assert all(eng.pool.refs[b] == 3 for b in shared)  # the cache and both rows in flight
+    done = []
+    while eng.active:
+        done += eng.step()
+    done.sort(key=lambda f: f.handle)
+    assert [f.output_ids for f in done] == want[1:]
+    assert [f.cached_prefix_tokens for f in done] == [256, 256] and eng.counters["prefix_cache_hits"] == 2
+    assert all(eng.pool.refs[b] == 1 for b in shared)
+    eng.drop_caches()
+    assert eng.pool.free == eng.pool.num_blocks - 1
+
+
+def test_image_cache_and_prefix_cache_equal_no_cache():
+    model, cfg = _model()
+    q = _questions(5, 9, 1, 14)
+    reqs = lambda: [_request(1, q[0]), _request(1, q[1]), _request(2, q[2], tiles=2), _request(None, q[3])]  # noqa: E731
+    plain = [f.output_ids for f in Engine(model, cfg, max_seq_len=2048, pool_blocks=128).generate(reqs())]
+    cached = Engine(
+        model, cfg, EngineSpec(image_cache=True, prefix_cache=True), max_seq_len=2048, pool_blocks=128
+    )
+    assert [f.output_ids for f in cached.generate(reqs())] == plain
+    again = cached.generate(reqs())  # now from the caches
+    assert [f.output_ids for f in again] == plain
+    assert [f.cached_prefix_tokens for f in again] == [256, 256, 512, 0]
+
+
+def test_admission_counts_only_uncached_work_and_free_room():
+    model, cfg = _model()
+    eng = Engine(
+        model, cfg, EngineSpec(image_cache=True, prefix_cache=True), max_seq_len=2048, pool_blocks=64
+    )
+    q = _questions(5, 9, 1, 4)
+    eng.generate([_request(1, q[0])])  # image 1 and its prefix now cached
+    items = deque(
+        SimpleNamespace(request=r) for r in [_request(1, q[1]), _request(1, q[2]), _request(2, q[3])]
+    )
+    full = items[0].request.input_ids.shape[0]
+    assert eng.cached_tokens(items[0].request) == 256 and not eng.needs_vit(items[0].request)
+    # both cached rows count only their uncached tokens and no tiles; the new image's row brings 1 tile
+    batch = next_batch(items, eng, max_tokens=2 * (full - 256) + 5, max_tiles=1)
+    assert len(batch) == 2 and len(items) == 1
+    assert eng.needs_vit(items[0].request)
+    # blocks: a row that needs more than the pool has free waits
+    small = Engine(model, cfg, max_seq_len=2048, pool_blocks=eng.blocks_needed(items[0].request))
+    assert next_batch(items, small, 10**6, 10**6) == [] and len(items) == 1
+
+
+def test_admit_that_does_not_fit_takes_nothing():
+    model, cfg = _model()
+    eng = Engine(model, cfg, max_seq_len=2048, pool_blocks=4)
+    r = _request(1, _questions(5)[0])
+    with pytest.raises(MemoryError):
+        eng.admit([r])
+    assert eng.active == 0 and eng.pool.free == 3
