@@ -193,3 +193,17 @@ BAD_ROWS = {
     "corrupt": "", "zero-bytes": "0 bytes", "missing": "not found", "huge": "too large",
     "empty-prompt": "empty prompt", "overlong": "max_input_tokens",
 }  # fmt: skip
+
+
+def run_interpreted(code: str) -> None:
+    """Run `code` in a fresh Python with TRITON_INTERPRET=1 (Triton kernels on the CPU); it must print "ok"."""
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(repo)}
+    p = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=repo, capture_output=True, text=True, timeout=300
+    )
+    assert p.returncode == 0 and "ok" in p.stdout, p.stderr[-3000:]
