@@ -7,13 +7,14 @@ import json
 import torch
 from conftest import tiny_hf_config
 
-from batchvl.engine import packed_meta
-from batchvl.ops.prefill_attention import AttnMeta
-from batchvl.llm.decoder import Decoder
-from batchvl.llm.kv_cache import KVCache
-from batchvl.llm.sampling import sample
 from batchvl.config import LLMConfig
+from batchvl.engine import packed_meta
+from batchvl.llm.decode_step import decode_forward
+from batchvl.llm.decoder import Decoder
+from batchvl.llm.kv_cache import KVPool, blocks_for
+from batchvl.llm.sampling import sample
 from batchvl.model.loader import init_random, load_model
+from batchvl.ops.prefill_attention import prefill_backend
 
 TOL = dict(atol=2e-5, rtol=1e-4)
 CFG = LLMConfig(arch="qwen2", vocab_size=1000, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -29,11 +30,28 @@ def _decoder(cfg=CFG, seed=0):
     return d.eval()
 
 
-def _run(dec, ids_list, cache=None, prefix=None):
+def _pool(blocks=40):
+    return KVPool(2, blocks, 2, 16, "cpu", torch.float32)
+
+
+def _tables(pool, lengths):
+    """A block-table row per sequence, its blocks taken from `pool` (none without a pool)."""
+    w = blocks_for(max(lengths))
+    if pool is None:
+        return torch.zeros(len(lengths), w, dtype=torch.int32)
+    rows = [pool.allocate(blocks_for(n)) for n in lengths]
+    return torch.tensor([r + [0] * (w - len(r)) for r in rows], dtype=torch.int32)
+
+
+def _run(dec, ids_list, pool=None, prefix=None, table=None, backend="sdpa", last=False):
     lens = [len(t) for t in ids_list]
-    pos, meta = packed_meta(lens, prefix or [0] * len(lens), "cpu")
+    prefix = prefix or [0] * len(lens)
+    table = table if table is not None else _tables(pool, [p + n for p, n in zip(prefix, lens)])
+    pos, meta = packed_meta(lens, prefix, table, backend)
     h = dec.embed_tokens(torch.cat(ids_list))
-    return dec.logits(dec(h, pos, meta, cache))
+    if last:
+        return dec.logits(dec(h, pos, meta, pool, last=meta.cu_seqlens[1:].long() - 1))
+    return dec.logits(dec(h, pos, meta, pool))
 
 
 def test_packed_prefill_equals_each_alone():
@@ -43,106 +61,83 @@ def test_packed_prefill_equals_each_alone():
     with torch.no_grad():
         packed = _run(dec, seqs)
         alone = torch.cat([_run(dec, [s]) for s in seqs])
+        into_pool = _run(dec, seqs, _pool())
     torch.testing.assert_close(packed, alone, **TOL)
+    torch.testing.assert_close(into_pool, packed, **TOL)
 
 
 def test_per_sequence_attention_backend_equals_reference():
-    """backend "cudnn" (one SDPA call per sequence in a custom op, GQA by enable_gqa) equals the reference
-    per-sequence path; after a cached prefix it falls back (here to the reference) and still matches."""
+    """backend "cudnn" (one SDPA call per sequence in a custom op, GQA by enable_gqa) equals the reference, also
+    with windows rounded up to PER_SEQ_ROWS that borrow the next sequence's rows (70 -> 128, 5 -> 64) and run past
+    the end (130 -> 192, 3 -> 64: zero rows appended)."""
     dec = _decoder()
     g = torch.Generator().manual_seed(4)
-    seqs = [torch.randint(0, 1000, (n,), generator=g) for n in (7, 1, 23, 12)]
-    with torch.no_grad():
-        want = _run(dec, seqs)
-        for layer in dec.layers:
-            layer.attn.backend = "cudnn"
-        torch.testing.assert_close(_run(dec, seqs), want, **TOL)
-        # long enough that windows rounded up to PER_SEQ_ROWS borrow the next sequence's rows (70 -> 128, 5 -> 64),
-        # and the last ones run past the end (130 -> 192, 3 -> 64: zero rows appended)
-        long = [torch.randint(0, 1000, (n,), generator=g) for n in (70, 5, 130, 3)]
-        for layer in dec.layers:
-            layer.attn.backend = "sdpa"
-        want_long = _run(dec, long)
-        for layer in dec.layers:
-            layer.attn.backend = "cudnn"
-        torch.testing.assert_close(_run(dec, long), want_long, **TOL)
-        full = _run(dec, [seqs[2]])
-        cache = KVCache(2, 1, 23, 2, 16, "cpu", torch.float32)
-        _run(dec, [seqs[2][:9]], cache)
-        torch.testing.assert_close(_run(dec, [seqs[2][9:]], cache, prefix=[9]), full[9:], **TOL)
+    for lengths in ((7, 1, 23, 12), (70, 5, 130, 3)):
+        seqs = [torch.randint(0, 1000, (n,), generator=g) for n in lengths]
+        with torch.no_grad():
+            torch.testing.assert_close(_run(dec, seqs, backend="cudnn"), _run(dec, seqs), **TOL)
 
 
-def test_per_sequence_warm_up_visits_every_shape_a_prefill_uses(monkeypatch):
-    """`warm_per_seq` calls SDPA with every (shape, strides) key a packed per-sequence prefill of those lengths
-    does (cuDNN keys its execution plans on both), and with nothing else; whatever the packing and the layout of
-    the inputs (v arrives as a view of the fused qkv output)."""
-    import torch.nn.functional as F
+def test_prefill_backend_is_chosen_in_one_place(monkeypatch):
+    """The reference off CUDA; on Hopper in bf16 cuDNN per sequence for long sequences with all heads and no cached
+    prefix; flash varlen otherwise (when torch has it)."""
+    from batchvl.ops import prefill_attention as pa
 
-    from batchvl.llm import attention
-
-    keys = []
-    sdpa = F.scaled_dot_product_attention
-
-    def spy(q, k, v, **kw):
-        keys.append(tuple((tuple(t.shape), t.stride()) for t in (q, k, v)))
-        return sdpa(q, k, v, **kw)
-
-    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
-    lengths = [70, 5, 130, 3, 64, 65]
-    heads, kv_heads, d = 4, 2, 16
-    attention.warm_per_seq(lengths, heads, kv_heads, d, "cpu", torch.float32)
-    warm, keys[:] = set(keys), []
-    assert len(warm) == len({attention.per_seq_window(n) for n in lengths}) == 3  # 64, 128, 192
-    for order in (lengths, lengths[::-1], [130, 70]):
-        cu = torch.tensor([0, *torch.tensor(order).cumsum(0).tolist()])
-        qkv = torch.randn(int(cu[-1]), (heads + 2 * kv_heads) * d)
-        q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], -1)
-        q = q.reshape(-1, heads, d).contiguous()
-        attention.causal_attn_per_seq(q, k.reshape(-1, kv_heads, d), v.view(-1, kv_heads, d), cu, "cudnn")
-    assert set(keys) <= warm and len(keys) == 2 * len(lengths) + 2
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert prefill_backend(cpu, torch.bfloat16, 128, [4000], False, True) == "sdpa"
+    assert prefill_backend(cuda, torch.float32, 128, [4000], False, True) == "sdpa"
+    monkeypatch.setattr(pa, "_VARLEN", object())
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
+    for major, want in ((9, "cudnn"), (8, "varlen")):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d, m=major: (m, 0))
+        assert prefill_backend(cuda, torch.bfloat16, 128, [2000, 1500], False, True) == want
+    assert prefill_backend(cuda, torch.bfloat16, 128, [2000, 10], False, True) == "varlen"  # short on average
+    assert prefill_backend(cuda, torch.bfloat16, 128, [2000], True, True) == "varlen"  # after a cached prefix
+    assert prefill_backend(cuda, torch.bfloat16, 128, [2000], False, False) == "varlen"  # tensor parallel
 
 
 def test_prefill_then_decode_equals_full_forward():
     dec = _decoder()
     g = torch.Generator().manual_seed(2)
-    seqs = [torch.randint(0, 1000, (n,), generator=g) for n in (9, 15)]
+    seqs = [torch.randint(0, 1000, (n,), generator=g) for n in (9, 70)]
     steps = 3
     with torch.no_grad():
         full = [_run(dec, [s]) for s in seqs]  # [L, V] each
         prompts = [s[:-steps] for s in seqs]
-        cache = KVCache(2, 2, max(len(s) for s in seqs), 2, 16, "cpu", torch.float32)
-        got = _run(dec, prompts, cache)
+        pool = _pool()
+        table = _tables(pool, [len(s) for s in seqs])
+        got = _run(dec, prompts, pool, table=table)
         last = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1
         torch.testing.assert_close(
             got[last], torch.stack([f[len(p) - 1] for f, p in zip(full, prompts)]), **TOL
         )
-        lens = torch.tensor([len(p) for p in prompts])
+        pos = torch.tensor([len(p) for p in prompts])
         for step in range(steps):
             tok = torch.stack([s[len(p) + step] for s, p in zip(seqs, prompts)])
-            meta = AttnMeta(torch.arange(3, dtype=torch.int32), 1, torch.arange(2), lens, True, lens + 1)
-            logits = dec.logits(dec(dec.embed_tokens(tok), lens, meta, cache))
+            logits = decode_forward(dec, tok, pos, table, pool)
             want = torch.stack([f[len(p) + step] for f, p in zip(full, prompts)])
             torch.testing.assert_close(logits, want, **TOL)
-            lens = lens + 1
+            pos = pos + 1
 
 
-def test_prefix_in_cache_equals_full_prefill():
-    """New tokens prefilled after a cached prefix match a full prefill (the shared-prefix cache path)."""
+def test_prefix_in_pool_equals_full_prefill():
+    """New tokens prefilled after a prefix already in the pool match a full prefill (the shared-prefix path)."""
     dec = _decoder()
     g = torch.Generator().manual_seed(3)
-    s = torch.randint(0, 1000, (20,), generator=g)
+    s = torch.randint(0, 1000, (150,), generator=g)
     with torch.no_grad():
         full = _run(dec, [s])
-        cache = KVCache(2, 1, 20, 2, 16, "cpu", torch.float32)
-        _run(dec, [s[:12]], cache)
-        tail = _run(dec, [s[12:]], cache, prefix=[12])
-    torch.testing.assert_close(tail, full[12:], **TOL)
+        pool = _pool()
+        table = _tables(pool, [150])
+        _run(dec, [s[:128]], pool, table=table)  # two whole blocks, as the prefix cache shares them
+        tail = _run(dec, [s[128:]], pool, prefix=[128], table=table)
+    torch.testing.assert_close(tail, full[128:], **TOL)
 
 
 def test_last_layer_for_last_tokens_equals_full():
     """`Decoder.forward(last=...)` (the last layer's queries, attention output and MLP for each sequence's last token
-    only) = the full forward's rows `last`, and leaves the same KV cache; also after a cached prefix, and with qkv
-    bias (Qwen2) and without (InternLM2). Asking for it without a cache, or in a decode step, is an error."""
+    only) = the full forward's rows `last`, and leaves the same KV pool; also after a prefix in the pool, and with
+    qkv bias (Qwen2) and without (InternLM2). Asking for it without a pool, or in a decode step, is an error."""
     import dataclasses
 
     import pytest
@@ -152,22 +147,24 @@ def test_last_layer_for_last_tokens_equals_full():
         dec = _decoder(cfg)
         seqs = [torch.randint(0, 1000, (n,), generator=g) for n in (7, 1, 23, 12)]
         lens = [len(t) for t in seqs]
-        for prefix in ([0, 0, 0, 0], [5, 0, 9, 3]):
-            caches = [KVCache(2, 4, 40, 2, 16, "cpu", torch.float32) for _ in range(2)]
-            if any(prefix):
-                for c in caches:  # the prefix's k / v as a first prefill left them
-                    _run(dec, [torch.randint(0, 1000, (max(p, 1),), generator=g) for p in prefix], c)
-                caches[1].k.copy_(caches[0].k)
-                caches[1].v.copy_(caches[0].v)
-            pos, meta = packed_meta(lens, prefix, "cpu")
+        for prefix in ([0, 0, 0, 0], [64, 0, 128, 64]):
+            pools = [_pool(), _pool()]
+            table = _tables(pools[1], [p + n for p, n in zip(prefix, lens)])
+            _tables(pools[0], [p + n for p, n in zip(prefix, lens)])  # the same blocks in both pools
+            if any(prefix):  # the prefix's k / v as a first prefill left them
+                first = [torch.randint(0, 1000, (max(p, 1),), generator=g) for p in prefix]
+                _run(dec, first, pools[0], table=table)
+                pools[1].k.copy_(pools[0].k)
+                pools[1].v.copy_(pools[0].v)
+            pos, meta = packed_meta(lens, prefix, table)
             last = meta.cu_seqlens[1:].long() - 1
             with torch.no_grad():
                 h = dec.embed_tokens(torch.cat(seqs))
-                want = dec.logits(dec(h, pos, meta, caches[0])[last])
-                got = dec.logits(dec(h, pos, meta, caches[1], last=last))
+                want = dec.logits(dec(h, pos, meta, pools[0])[last])
+                got = dec.logits(dec(h, pos, meta, pools[1], last=last))
             torch.testing.assert_close(got, want, **TOL)
-            torch.testing.assert_close(caches[1].k, caches[0].k, **TOL)
-            torch.testing.assert_close(caches[1].v, caches[0].v, **TOL)
+            torch.testing.assert_close(pools[1].k, pools[0].k, **TOL)
+            torch.testing.assert_close(pools[1].v, pools[0].v, **TOL)
         with pytest.raises(ValueError, match="prefill into a KV cache"):
             dec(h, pos, meta, None, last=last)
 
