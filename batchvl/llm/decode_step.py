@@ -80,7 +80,8 @@ class DecodeStep:
                             type(e).__name__, e)  # fmt: skip
                 self.graphs, self.failed = False, f"{type(e).__name__}: {e}"
                 self.cache.clear()
-                torch.cuda.synchronize(tok.device)
+                if tok.is_cuda:
+                    torch.cuda.synchronize(tok.device)
                 return decode_forward(self.llm, tok, pos, table, pool)
         g.tok.copy_(tok)
         g.pos.copy_(pos)
