@@ -109,19 +109,38 @@ def to_opengvlab(hf_dir: Path, out_dir: Path) -> Path:
 
 
 class FakeEngine:
-    """Honours `Engine.run_batch`: output ids are a function of each request alone; records every batch.
+    """Honours the engine's protocol (`admit`, `step`, `abort` and what admission asks): each request's output ids are
+    a function of it alone, one more per step until its own `max_new_tokens`; records every admitted batch.
 
     `fail_if(request) -> bool` makes any batch holding such a request raise, as a failing engine would."""
 
-    def __init__(self, fail_if=None, max_new_tokens: int = 3):
+    def __init__(self, fail_if=None, rows: int = 64, blocks: int = 10**6):
+        import types
+
         self.fail_if = fail_if or (lambda r: False)
-        self.max_new_tokens = max_new_tokens
+        self.rows, self.live = rows, []
+        self.pool = types.SimpleNamespace(free=blocks, num_blocks=blocks + 1)
+        self.max_prefill_tokens = 16384
         self.batches: list[dict] = []
 
-    def run_batch(self, requests, sampling):
-        import time
+    def free_rows(self) -> int:
+        return self.rows - len(self.live)
 
-        from batchvl.engine import BatchResult
+    @property
+    def active(self) -> int:
+        return len(self.live)
+
+    def cached_tokens(self, r) -> int:
+        return 0
+
+    def needs_vit(self, r) -> bool:
+        return r.pixel_values is not None
+
+    def blocks_needed(self, r) -> int:
+        return 1
+
+    def admit(self, requests):
+        import time
 
         tiles = sum(0 if r.pixel_values is None else int(r.pixel_values.shape[0]) for r in requests)
         tokens = sum(len(r.input_ids) for r in requests)
@@ -130,10 +149,28 @@ class FakeEngine:
             raise RuntimeError("fake engine failure")
         time.sleep(0.002)
         first = time.perf_counter()
-        time.sleep(0.002)
-        out = [[int(r.input_ids.sum()) % 1000 + k for k in range(sampling.max_new_tokens)] for r in requests]
-        stats = {"cache_hit_image": [False] * len(requests), "cached_prefix_tokens": [0] * len(requests)}
-        return BatchResult(out, 1.0, 2.0, 3.0, first, time.perf_counter(), stats)
+        for r in requests:
+            self.live.append((r, [int(r.input_ids.sum()) % 1000], first))
+        return self._finished(first)
+
+    def step(self):
+        import time
+
+        time.sleep(0.001)
+        for _, out, _ in self.live:
+            out.append(out[-1] + 1)
+        return self._finished(time.perf_counter())
+
+    def abort(self):
+        handles, self.live = [r.handle for r, _, _ in self.live], []
+        return handles
+
+    def _finished(self, now):
+        from batchvl.engine import Finished
+
+        done = [x for x in self.live if len(x[1]) >= x[0].sampling.max_new_tokens]
+        self.live = [x for x in self.live if len(x[1]) < x[0].sampling.max_new_tokens]
+        return [Finished(r.handle, out, 1.0, 2.0, 3.0, first, now, False, 0) for r, out, first in done]
 
 
 def assert_clock_order(r: dict) -> None:

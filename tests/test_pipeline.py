@@ -1,4 +1,4 @@
-"""The flow with a fake engine: batching budgets, error rows, engine failures, per-row timings."""
+"""The flow with a fake engine: admission budgets, error rows, engine failures, per-row settings and timings."""
 
 from __future__ import annotations
 
@@ -12,30 +12,44 @@ from batchvl.data import SourceRow, iter_rows
 from batchvl.engine import Sampling
 from batchvl.job import DataSpec
 from batchvl.output import PartWriter, read_rows
-from batchvl.pipeline import Flow, Item, Preparer, Runner, pack
+from batchvl.pipeline import Flow, Item, Pipeline, Preparer
 from batchvl.preprocess import Prepared, PreprocessConfig, Preprocessor, load_tokenizer
+from batchvl.scheduler import next_batch
 
 PCFG = PreprocessConfig(max_tiles=2, max_input_tokens=2048, max_image_pixels=4_000_000)
 
 
-def _item(n_tokens: int, tiles: int, i: int) -> Item:
-    p = Prepared(list(range(n_tokens)), None, tiles, 256 * tiles, n_tokens - 256 * tiles, None)
-    return Item(SourceRow(i, str(i), "q"), 0.0, prepared=p)
+def _ready(sizes: list[tuple[int, int]]):
+    from collections import deque
+    from types import SimpleNamespace
+
+    from batchvl.engine import Request
+
+    return deque(
+        SimpleNamespace(
+            id=i, request=Request(torch.zeros(n, dtype=torch.long), torch.zeros(t, 1) if t else None)
+        )
+        for i, (n, t) in enumerate(sizes)
+    )
 
 
-def test_pack_respects_both_budgets_in_arrival_order():
+def test_admission_respects_both_budgets_in_arrival_order():
     sizes = [(300, 1), (300, 1), (500, 2), (100, 0), (2000, 5), (50, 0), (400, 1), (400, 1), (100, 3)]
-    items = [_item(n, t, i) for i, (n, t) in enumerate(sizes)]
-    batches = list(pack(items, max_tokens=1000, max_tiles=4))
-    assert [[int(it.row.id) for it in b] for b in batches] == [[0, 1], [2, 3], [4], [5, 6, 7], [8]]
-    for b in batches:
-        toks = sum(len(it.prepared.input_ids) for it in b)
-        tiles = sum(it.prepared.num_tiles for it in b)
-        assert len(b) == 1 or (toks <= 1000 and tiles <= 4)
+    ready, eng, batches = _ready(sizes), FakeEngine(), []
+    while ready:
+        batches.append([it.id for it in next_batch(ready, eng, max_tokens=1000, max_tiles=4)])
+    assert batches == [[0, 1], [2, 3], [4], [5, 6, 7], [8]]  # a single row over a budget runs alone
     # a batch that is exactly full goes at once
-    assert [len(b) for b in pack([_item(500, 0, i) for i in range(4)], 1000, 64)] == [2, 2]
-    assert [len(b) for b in pack([_item(10, 2, i) for i in range(4)], 1000, 4)] == [2, 2]
-    assert [len(b) for b in pack([_item(10, 3, i) for i in range(3)], 1000, 4)] == [1, 1, 1]
+    for sizes, budget, want in (([(500, 0)] * 4, (1000, 64), [2, 2]), ([(10, 2)] * 4, (1000, 4), [2, 2]),
+                                ([(10, 3)] * 3, (1000, 4), [1, 1, 1])):  # fmt: skip
+        ready, got = _ready(sizes), []
+        while ready:
+            got.append(len(next_batch(ready, eng, *budget)))
+        assert got == want
+    # rows wait for the engine's free rows and KV blocks
+    ready = _ready([(10, 0)] * 5)
+    assert len(next_batch(ready, FakeEngine(rows=3), 1000, 4)) == 3
+    assert next_batch(ready, FakeEngine(blocks=0), 1000, 4) == [] and len(ready) == 2
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +74,7 @@ def run_flow(
     flow = Flow(engine, Preprocessor(PCFG), lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                 Sampling(max_new_tokens=3), workers=workers, prefetch=4, **budget)  # fmt: skip
     writer = PartWriter(out, rank=0, rows_per_part=5)
-    counts = Runner(flow, writer.add, t0=0.0).run(rows, done)
+    counts = Pipeline(flow, writer.add, t0=0.0).run(rows, done)
     writer.close()
     table = read_rows(out).to_pylist()
     assert counts["rows"] == len(table)
@@ -120,7 +134,7 @@ def test_worker_pool_gives_the_same_rows(bad_rows_jsonl, tokenizer, tmp_path):
     rows = _rows(bad_rows_jsonl)
     inproc, _ = run_flow(rows, tokenizer, tmp_path / "a", max_prefill_tokens=1400, max_vit_tiles=4)
     pooled, _ = run_flow(rows, tokenizer, tmp_path / "b", workers=2, max_prefill_tokens=1400, max_vit_tiles=4)
-    keys = ("id", "error", "prompt_token_ids", "output_token_ids", "num_tiles", "batch_id")
+    keys = ("id", "error", "prompt_token_ids", "output_token_ids", "num_tiles")  # batches: as rows got ready
     rows_of = lambda table: sorted((tuple(r[k] for k in keys) for r in table), key=str)  # noqa: E731
     assert rows_of(pooled) == rows_of(inproc)
     # an id's duplicate is never written before its first occurrence (a resume would skip the first for good)
@@ -134,13 +148,13 @@ def test_pixel_values_reach_the_engine_as_tensors(bad_rows_jsonl, tokenizer, tmp
     seen = []
 
     class Spy(FakeEngine):
-        def run_batch(self, requests, sampling):
+        def admit(self, requests):
             seen.extend(requests)
-            return super().run_batch(requests, sampling)
+            return super().admit(requests)
 
     rows = [r for r in _rows(bad_rows_jsonl) if r.id in ("rgb", "text")][:2]
     flow = Flow(Spy(), Preprocessor(PCFG), str, Sampling(max_new_tokens=2))
-    Runner(flow, lambda row: None, t0=0.0).run(rows)
+    Pipeline(flow, lambda row: None, t0=0.0).run(rows)
     assert [r.input_ids.dtype for r in seen] == [torch.int64, torch.int64]
     assert (
         seen[0].pixel_values.shape[1:] == (3, 448, 448) and seen[0].image_key and seen[1].pixel_values is None
@@ -164,7 +178,7 @@ def test_a_row_that_kills_its_worker_becomes_an_error_row(tmp_path):
     rows.append(SourceRow(5, "a", "a", error="duplicate id"))
     written: list[dict] = []
     flow = Flow(FakeEngine(), DyingPreprocessor(), str, Sampling(max_new_tokens=1), workers=1, prefetch=8)
-    counts = Runner(flow, written.append, t0=0.0).run(rows)
+    counts = Pipeline(flow, written.append, t0=0.0).run(rows)
     assert [(r["id"], r["error"]) for r in written if r["error"]] == [
         ("die", "preprocess worker died on this row"), ("a", "duplicate id")
     ]  # fmt: skip
@@ -184,56 +198,84 @@ def test_runner_uses_the_preparer_started_early():
     rows = [SourceRow(i, str(i), "q" * (i + 1)) for i in range(3)]
     flow = Flow(FakeEngine(), pre, str, Sampling(max_new_tokens=1))
     written: list[dict] = []
-    Runner(flow, written.append, t0=0.0).run(rows, prep=Counting(pre, 0, 4))  # an idle Preparer is falsy
+    Pipeline(flow, written.append, t0=0.0).run(rows, prep=Counting(pre, 0, 4))  # an idle Preparer is falsy
     assert Counting.submitted == 3 and len(written) == 3
 
 
-class WholeBatchesOnly:
-    """The real engine seen through `run_batch` alone: the runner then runs every batch whole."""
-
-    def __init__(self, engine):
-        self.run_batch = engine.run_batch
-
-
-class FailingPrefill:
-    """The real engine's phases, with prefill failing for any batch holding `bad` (then it is retried alone)."""
+class FailingAdmit:
+    """The real engine, with admission failing for any batch holding token `bad` (its rows are then retried alone)."""
 
     def __init__(self, engine, bad: int):
-        self.engine, self.bad, self.failures, self.ecfg = engine, bad, 0, engine.ecfg
-        self.encode_async, self.decode, self.run_batch = engine.encode_async, engine.decode, engine.run_batch
+        self.engine, self.bad, self.failures = engine, bad, 0
 
-    def prefill(self, requests, sampling, encoded=None):
-        if any(bool((r.input_ids == self.bad).any()) for r in requests):
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def admit(self, requests):
+        if len(requests) > 1 and any(bool((r.input_ids == self.bad).any()) for r in requests):
             self.failures += 1
             raise RuntimeError("prefill failure")
-        return self.engine.prefill(requests, sampling, encoded)
+        return self.engine.admit(requests)
 
 
-def test_overlapped_phases_equal_whole_batches(bad_rows_jsonl, tokenizer, tmp_path):
-    """ViT of batch n started before batch n-1's decode (phased engine) gives the rows of whole batches."""
-    from batchvl.engine import Engine, EngineConfig
+def test_real_engine_rows_survive_a_failed_admission(bad_rows_jsonl, tokenizer, tmp_path):
+    """The real engine through the flow (rows admitted while others decode, each with its own length); a batch whose
+    admission fails has its rows retried one by one, and every row comes out as without the failure."""
+    from batchvl.engine import Engine
     from batchvl.model.loader import random_model
 
     model, cfg = random_model("tiny-qwen2", seed=0)
     rows = [r for r in _rows(bad_rows_jsonl) if r.id not in ("boom",) and r.error is None]
+    for i, r in enumerate(rows):
+        r.generation = {"max_new_tokens": 1 + i % 3}
 
     def run(engine, out):
         flow = Flow(engine, Preprocessor(PCFG), lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                     Sampling(max_new_tokens=3, ignore_eos=True), max_prefill_tokens=1200, max_vit_tiles=4)  # fmt: skip
         writer = PartWriter(out, rank=0, rows_per_part=100)
-        Runner(flow, writer.add, t0=0.0).run(rows)
+        Pipeline(flow, writer.add, t0=0.0).run(rows)
         writer.close()
         return {r["id"]: (r["output_token_ids"], r["error"]) for r in read_rows(out).to_pylist()}
 
-    whole = run(WholeBatchesOnly(Engine(model, cfg)), tmp_path / "whole")
-    phased = run(Engine(model, cfg, EngineConfig(overlap_vit=True)), tmp_path / "phased")
-    assert phased == whole
-    assert sum(err is None for _, err in whole.values()) >= 4
+    plain = run(Engine(model, cfg, max_seq_len=4096, pool_blocks=200), tmp_path / "plain")
+    assert sum(err is None for _, err in plain.values()) >= 4
+    assert all(err or len(out) == 1 + i % 3 for i, (out, err) in enumerate(plain[r.id] for r in rows))
     bad = tokenizer.encode("The job goes on.", add_special_tokens=False)[0]
-    flaky = FailingPrefill(Engine(model, cfg, EngineConfig(overlap_vit=True)), bad)
-    failing = run(flaky, tmp_path / "failing")
-    assert flaky.failures >= 1  # the batch holding that row failed in prefill ...
-    assert failing == whole  # ... and its rows, retried one by one (whole), came out the same
+    flaky = FailingAdmit(Engine(model, cfg, max_seq_len=4096, pool_blocks=200), bad)
+    assert run(flaky, tmp_path / "failing") == plain and flaky.failures >= 1
+
+
+def test_a_rows_own_generation_settings(tokenizer, tmp_path):
+    """max_new_tokens, temperature and stop columns override the job's for their row; bad values are error rows."""
+    rows = [SourceRow(i, str(i), "hello there", generation=g) for i, g in enumerate([
+        None, {"max_new_tokens": 1}, {"max_new_tokens": 5}, {"max_new_tokens": 6}, {"max_new_tokens": 0},
+        {"max_new_tokens": 2.0}, {"temperature": -1}, {"temperature": "hot"}, {"stop": ["<|im_end|>", 7]},
+        {"stop": "not one token"}, {"max_new_tokens": True},
+    ])]  # fmt: skip
+    seen = {}
+
+    class Spy(FakeEngine):
+        def admit(self, requests):
+            seen.update({r.handle.row.id: r.sampling for r in requests})
+            return super().admit(requests)
+
+    written: list[dict] = []
+    flow = Flow(Spy(), Preprocessor(PCFG), str, Sampling(max_new_tokens=5, stop_token_ids=(3,)),
+                token_id=lambda text: tokenizer.convert_tokens_to_ids(text) if text == "<|im_end|>" else None)  # fmt: skip
+    Pipeline(flow, written.append, t0=0.0).run(rows)
+    by_id = {r["id"]: r for r in written}
+    assert {k: len(by_id[k]["output_token_ids"]) for k in ("0", "1", "2", "5")} == {
+        "0": 5,
+        "1": 1,
+        "2": 5,
+        "5": 2,
+    }
+    for k, why in (("3", "max_new_tokens"), ("4", "max_new_tokens"), ("6", "temperature"), ("7", "temperature"),
+                   ("9", "stop"), ("10", "max_new_tokens")):  # fmt: skip
+        err = by_id[k]["error"]
+        assert err.startswith(why) and "output_token_ids" not in by_id[k], (k, err)
+    assert seen["8"].stop_token_ids == (3, tokenizer.convert_tokens_to_ids("<|im_end|>"), 7)
+    assert seen["0"] == Sampling(max_new_tokens=5, stop_token_ids=(3,))
 
 
 @pytest.mark.slow
