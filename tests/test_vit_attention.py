@@ -8,10 +8,10 @@ import textwrap
 
 import pytest
 import torch
-from test_bench import _run_interpreted
+from conftest import run_interpreted
 from test_internvit import build_pair
 
-from batchvl.encoder.internvit_compiled import compile_encoder, fast_mix
+from batchvl.encoder.internvit_compiled import CompiledEncoder, fast_mix
 from batchvl.ops.vit_attention import (
     kernel_config,
     vit_attention,
@@ -39,7 +39,7 @@ def test_reference_and_cpu_op_are_the_eager_mix(vision) -> None:
         torch.testing.assert_close(vit_attention_reference(qkv, T, H, attn.head_dim**-0.5, *norm), want)
         torch.testing.assert_close(vit_attention(qkv, T, H, attn.head_dim**-0.5, *norm), want)
         torch.testing.assert_close(vit_attention_sdpa(qkv, T, H, attn.head_dim**-0.5, *norm), want)
-        torch.testing.assert_close(fast_mix(attn, h, True), want)
+        torch.testing.assert_close(fast_mix(attn, h), want)
 
 
 def test_kernel_in_the_interpreter() -> None:
@@ -81,13 +81,13 @@ def test_kernel_in_the_interpreter() -> None:
         print("ok", worst)
         """
     )
-    _run_interpreted(code)
+    run_interpreted(code)
 
 
 def test_encoder_through_the_kernel_in_the_interpreter() -> None:
     """The whole encoder with attention through the kernel (6B-style: qk-norm folded in; 300M-style: qkv bias),
     head_dim 64 at 16 x 16 patches (T = 257), equals the eager encoder in fp32; also with the residuals in place
-    (`fast_forward_inplace`, the 300M's default path). At head_dim 128 (no kernel config: the 6B's way) the same
+    (`fast_forward_inplace`, the default path, after folding the layer scales). At head_dim 128 (no kernel config: the 6B's way) the same
     through `vit_attention_sdpa`, its q/k RMSNorm in the Triton norm kernel."""
     pytest.importorskip("triton")
     code = textwrap.dedent(
@@ -101,24 +101,24 @@ def test_encoder_through_the_kernel_in_the_interpreter() -> None:
             px = torch.randn(2, 3, 224, 224)
             with torch.no_grad():
                 ref = enc(px)
-                got = fast_forward(enc, px, triton_attn=True)
-                got_ip = fast_forward_inplace(enc, px, fold_scales(enc), triton_attn=True)
+                got = fast_forward(enc, px)
+                fold_scales(enc)
+                got_ip = fast_forward_inplace(enc, px)
             torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
             torch.testing.assert_close(got_ip, ref, atol=1e-5, rtol=1e-4)
         print("ok")
         """
     )
-    _run_interpreted(code)
+    run_interpreted(code)
 
 
 def test_compiled_encoder_default_equals_eager_on_cpu() -> None:
-    """The compiled encoder's default (triton_attn on) traces `fast_mix`'s fallback on CPU: equal to eager."""
+    """The compiled encoder traces `fast_mix`'s fallback on CPU: equal to eager."""
     enc, _ = build_pair("6b")
     px = torch.randn(2, 3, 112, 112)
     with torch.no_grad():
         ref = enc(px)
-    ce = compile_encoder(enc, buckets=[2])
-    assert ce.triton_attn
+    ce = CompiledEncoder(enc, buckets=[2])
     torch.testing.assert_close(ce(px), ref, atol=ATOL, rtol=RTOL)
 
 
@@ -139,4 +139,4 @@ def test_fast_mix_keeps_the_module_path_for_other_norms() -> None:
     attn.q_norm = Doubled(attn.q_norm)
     h = torch.randn(2, 65, enc.cfg.vision.hidden_size)
     with torch.no_grad():
-        torch.testing.assert_close(fast_mix(attn, h, True), attn.mix(h).reshape(2 * 65, -1))
+        torch.testing.assert_close(fast_mix(attn, h), attn.mix(h).reshape(2 * 65, -1))
