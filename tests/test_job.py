@@ -41,7 +41,10 @@ def test_defaults_and_resolved_fields(tmp_path, files):
     assert (
         job.preprocess.max_tiles == 12 and job.preprocess.overlong == "error" and job.preprocess.workers == 2
     )
-    assert job.engine.max_prefill_tokens == 16384 and job.engine.max_vit_tiles == 64
+    assert (
+        job.engine.max_prefill_tokens is None and job.engine.max_vit_tiles == 64
+    )  # None: sized by the engine
+    assert job.engine.eager is False and Path(job.engine.cache_dir).is_absolute()
     assert job.generation.max_new_tokens == 4 and job.generation.temperature == 0.0
     assert job.output.rows_per_part == 1000 and job.output.overwrite is False
     assert Path(job.output.dir).is_absolute()
@@ -213,22 +216,16 @@ def test_hf_path_may_be_a_local_dir_or_a_cached_dataset_name(tmp_path, files):
 
 
 def test_engine_choices_are_checked(tmp_path):
-    for key, bad in (
-        ("engine.vit_mode", "sideways"),
-        ("engine.vit_compile_mode", "turbo"),
-        ("engine.attn_backend", "fa9"),
-    ):
-        with pytest.raises(JobError, match=f"job.{key}"):
-            load_job(REPO / "jobs/demo.yaml", [f"{key}={bad}", f"output.dir={tmp_path}"])
+    with pytest.raises(JobError, match="job.engine.vit_mode"):
+        load_job(REPO / "jobs/demo.yaml", ["engine.vit_mode=sideways", f"output.dir={tmp_path}"])
+    job = load_job(REPO / "jobs/demo.yaml", ["engine.max_prefill_tokens=auto", f"output.dir={tmp_path}"])
+    assert job.engine.max_prefill_tokens is None
 
 
-def test_engine_spec_mirrors_engine_config():
-    """The job's engine section builds an EngineConfig field by field: same names, same defaults."""
-    import dataclasses
-
-    from batchvl.engine import EngineConfig
-    from batchvl.job import EngineSpec
-
-    cfg = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
-    for f in dataclasses.fields(EngineSpec):
-        assert f.name in cfg and f.default == cfg[f.name], f.name
+@pytest.mark.parametrize(
+    "key", ["compile_vit", "attn_backend", "overlap_vit", "vit_fused_norm", "cuda_graphs"]
+)
+def test_a_removed_engine_key_says_what_replaced_it(tmp_path, key):
+    """An old job file naming an engine key that measurement turned into code is refused with the key and why."""
+    with pytest.raises(JobError, match=rf"^job\.engine\.{key}: no longer a setting \(.+\); delete the key"):
+        load_job(REPO / "jobs/demo.yaml", [f"engine.{key}=true", f"output.dir={tmp_path}"])
