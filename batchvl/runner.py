@@ -309,7 +309,7 @@ def run_file(job_file: str, sets: tuple[str, ...] = (), overwrite: bool = False)
         raise click.ClickException(f"job.model.tp: {e}") from None
     try:
         return run_job(job, ctx)
-    except (JobError, ResumeError, FileNotFoundError) as e:
+    except (JobError, ResumeError, FileNotFoundError, MemoryError) as e:
         raise click.ClickException(str(e)) from None
     finally:
         dist.shutdown(ctx)

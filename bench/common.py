@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from batchvl.config import InternVLConfig, LLMConfig, VisionConfig
+from batchvl.config import InternVLConfig, LLMConfig
 
 
 def matmul_ceiling(device: str = "cuda", n: int = 8192) -> dict:
@@ -30,15 +30,14 @@ def matmul_ceiling(device: str = "cuda", n: int = 8192) -> dict:
     return out
 
 
-def vit_flops_per_tile(v: VisionConfig, llm_hidden: int, ratio: float = 0.5) -> float:
-    """ViT (linears + attention) + projector FLOPs for one tile."""
-    n = v.num_patches + 1
-    c, i = v.hidden_size, v.intermediate_size
-    linear = 2 * n * (c * 3 * c + c * c + 2 * c * i) * v.num_layers
-    attn = 4 * n * n * c * v.num_layers
-    tokens = int(v.num_patches * ratio**2)
-    proj = 2 * tokens * (int(c / ratio**2) * llm_hidden + llm_hidden * llm_hidden)
-    return float(linear + attn + proj)
+def tile_flops(cfg: InternVLConfig) -> float:
+    """FLOPs per 448-px tile: the ViT layers (`split_overlap.vit_flops_per_tile`), patch embedding and projector."""
+    from batchvl.encoder.split_overlap import vit_flops_per_tile
+
+    v, h = cfg.vision, cfg.llm.hidden_size
+    patch = 2 * v.num_patches * 3 * v.patch_size**2 * v.hidden_size
+    proj = 2 * cfg.num_image_token * (cfg.projector_in + h) * h
+    return sum(vit_flops_per_tile(v)) + patch + proj
 
 
 def llm_linear_params(c: LLMConfig) -> int:
@@ -60,7 +59,7 @@ def llm_prefill_flops(c: LLMConfig, length: int, prefix: int = 0) -> float:
 
 def request_flops(cfg: InternVLConfig, tiles: int, length: int, new_tokens: int) -> float:
     """Everything one uncached request costs: ViT on its tiles, prefill, decode steps."""
-    vit = tiles * vit_flops_per_tile(cfg.vision, cfg.llm.hidden_size, cfg.downsample_ratio)
+    vit = tiles * tile_flops(cfg)
     dec = (new_tokens - 1) * 2 * (llm_linear_params(cfg.llm) + cfg.llm.hidden_size * cfg.llm.vocab_size)
     return vit + llm_prefill_flops(cfg.llm, length) + dec
 

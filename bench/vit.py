@@ -26,12 +26,14 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import tile_flops  # noqa: E402
 
 from batchvl.config import InternVLConfig, from_preset  # noqa: E402
 from batchvl.encoder.fp8 import fp8_vit, quantize_rows  # noqa: E402
 from batchvl.encoder.internvit import VisionEncoder  # noqa: E402
 from batchvl.encoder.internvit_compiled import CompiledEncoder  # noqa: E402
-from batchvl.encoder.split_overlap import vit_flops_per_tile  # noqa: E402
 from batchvl.ops.sdpa import sdpa_context  # noqa: E402
 
 # model name -> preset giving the vision tower and the projector's output width (the largest LLM it feeds)
@@ -250,15 +252,6 @@ def floor_sequence(enc: VisionEncoder, tiles: int, dev: torch.device, dtype: tor
     return run
 
 
-def model_flops(cfg: InternVLConfig) -> float:
-    """FLOPs per tile: ViT GEMMs + attention + patch embedding + projector."""
-    attn, mlp = vit_flops_per_tile(cfg.vision)
-    v = cfg.vision
-    patch = 2 * v.num_patches * 3 * v.patch_size**2 * v.hidden_size
-    proj = 2 * cfg.num_image_token * (cfg.projector_in + cfg.llm.hidden_size) * cfg.llm.hidden_size
-    return attn + mlp + patch + proj
-
-
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     return float((x.float() - ref.float()).norm() / ref.float().norm())
 
@@ -289,7 +282,7 @@ def run_model(name: str, args, dev: torch.device, dtype: torch.dtype, ceiling: f
     if args.smoke:
         cfg.vision.image_size = 112
     enc = random_encoder(cfg, dev, dtype)
-    S, flops = cfg.vision.image_size, model_flops(cfg)
+    S, flops = cfg.vision.image_size, tile_flops(cfg)
     print(f"\n== {name}: {cfg.vision.num_layers} layers, C={cfg.vision.hidden_size}, heads={cfg.vision.num_heads}, "
           f"{flops / 1e12:.3f} TFLOP/tile, projector -> {cfg.llm.hidden_size}", flush=True)  # fmt: skip
 

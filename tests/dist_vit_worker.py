@@ -9,9 +9,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from batchvl.config import InternVLConfig, LLMConfig, VisionConfig
 from batchvl.encoder.internvit import VisionEncoder
 from batchvl.encoder.split_overlap import DPVisionEncoder, TPVisionEncoder
-from batchvl.config import InternVLConfig, LLMConfig, VisionConfig
 
 KINDS = {
     "6b": dict(norm_type="rms_norm", qk_normalization=True, qkv_bias=False),

@@ -6,8 +6,8 @@ import pytest
 import torch
 import transformers
 
-from batchvl.encoder.internvit import VisionEncoder, pixel_shuffle
 from batchvl.config import InternVLConfig, LLMConfig, VisionConfig
+from batchvl.encoder.internvit import VisionEncoder, pixel_shuffle
 
 ATOL, RTOL = 1e-5, 1e-4
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 from conftest import IMG_CONTEXT_ID, to_opengvlab
 
-from batchvl.engine import Engine, Request, Sampling, packed_meta
 from batchvl.config import load_config
+from batchvl.engine import Engine, Request, Sampling, packed_meta
 from batchvl.model.loader import CheckpointError, load_model, random_model
 
 TOL = dict(atol=2e-5, rtol=1e-4)

@@ -7,9 +7,9 @@ import socket
 import pytest
 import torch
 
+from batchvl.config import from_preset
 from batchvl.encoder.internvit import VisionEncoder
 from batchvl.encoder.split_overlap import choose_vit_mode, split_sizes, vit_flops_per_tile, vit_mode_costs
-from batchvl.config import from_preset
 
 ATOL, RTOL = 1e-5, 1e-4
 
