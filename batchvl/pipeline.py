@@ -417,6 +417,8 @@ class Pipeline:
         wait_ms = max(0.0, t_batch - self.last_busy) * 1e3
         finished, why = _attempt(self.flow.engine.admit, [it.request for it in batch])
         self.last_busy = time.perf_counter()
+        log.debug("admitted %d rows in %.3f s (engine idle %.0f ms before; %d in flight)", len(batch),
+                  self.last_busy - t_batch, wait_ms, self.flow.engine.active)  # fmt: skip
         if why is not None:
             if len(batch) == 1:
                 return self._fail(batch[0], f"engine: {why}")
@@ -432,8 +434,10 @@ class Pipeline:
 
     def _step(self) -> None:
         """One decode step; if it fails, every sequence in flight fails with it."""
+        t0 = time.perf_counter()
         finished, why = _attempt(self.flow.engine.step)
         self.last_busy = time.perf_counter()
+        log.debug("decode step in %.3f s, %d rows done", self.last_busy - t0, len(finished or ()))
         if why is None:
             return self._results(finished)
         log.warning("a decode step failed (%s); its %d rows fail", why, self.flow.engine.active)

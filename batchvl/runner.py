@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import platform
 import sys
 import time
@@ -287,7 +288,7 @@ def _sampling(g: Any) -> Any:
 
 def setup_logging(ctx_rank: int, world: int) -> None:
     logging.basicConfig(
-        level=logging.INFO,
+        level=os.environ.get("BATCHVL_LOG_LEVEL", "INFO").upper(),  # DEBUG: each admission and decode step
         format=f"%(asctime)s [rank {ctx_rank}/{world}] %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
