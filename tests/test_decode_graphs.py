@@ -36,4 +36,8 @@ def test_capture_while_another_thread_pins_memory():
     finally:
         stop.set()
         t.join()
-    assert not errors and eng.decode_step.failed is None and captured == 7
+    assert not errors and eng.decode_step.failed is None and captured == 7, (
+        errors,
+        eng.decode_step.failed,
+        captured,
+    )

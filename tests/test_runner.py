@@ -206,6 +206,26 @@ def test_rerun_resumes_and_a_different_job_is_refused(tmp_path):
     assert all(len(r["output_token_ids"]) == 2 for r in read_rows(job.output.dir).to_pylist())
 
 
+def test_decode_graphs_are_captured_before_any_row_is_prepared(tmp_path, monkeypatch):
+    """The engine's warm-up (where CUDA graphs are captured) finishes before the first row reaches the preparer: a
+    preprocessing thread pinning a batch's tiles during a capture broke it and ended the job (issue 24)."""
+    from batchvl import pipeline
+
+    events: list[str] = []
+
+    class Warming(FakeEngine):
+        def warm_up(self):
+            events.append("warm_up")
+            return 0
+
+    submit = pipeline.Preparer.submit
+    monkeypatch.setattr(
+        pipeline.Preparer, "submit", lambda self, item: events.append("row") or submit(self, item)
+    )
+    run_job(_small_job(tmp_path), engine_factory=lambda *a, **k: Warming())
+    assert events[0] == "warm_up" and events.count("row") == 5
+
+
 def test_cli_errors_name_the_key_and_exit_nonzero(tmp_path):
     r = CliRunner().invoke(main, ["jobs/demo.yaml", "--set", "data.fromat=jsonl"])
     assert r.exit_code == 1 and "job.data.fromat: unknown key (did you mean 'format'?)" in r.output
@@ -217,3 +237,14 @@ def test_cli_errors_name_the_key_and_exit_nonzero(tmp_path):
     assert r.exit_code == 1 and "job.model.tp: world size 1 is not a multiple of model.tp=2" in r.output
     r = CliRunner().invoke(main, [str(tmp_path / "missing.yaml")])
     assert r.exit_code == 2  # click: the job file does not exist
+
+
+def test_cli_lists_run_and_report():
+    """`batchvl --help` names both commands; `batchvl run` is the command `python -m batchvl.runner` runs."""
+    r = CliRunner().invoke(cli, ["--help"])
+    assert r.exit_code == 0
+    commands = [line.split()[0] for line in r.output.split("Commands:")[1].strip().splitlines()]
+    assert sorted(commands) == ["report", "run"]
+    assert cli.get_command(None, "run") is main
+    r = CliRunner().invoke(cli, ["run", "--help"])
+    assert r.exit_code == 0 and "Usage: cli run [OPTIONS] JOB_FILE" in r.output and "--overwrite" in r.output
