@@ -1,4 +1,5 @@
-"""Worker for the multi-process ViT tests: TP (1, 2, 3 micro-batches; hooks) and DP on gloo, results to files."""
+"""Worker for the multi-process ViT tests: TP (1, 2, 3 micro-batches; hooks; compiled stages) and DP on gloo,
+results to files."""
 
 from __future__ import annotations
 
@@ -46,8 +47,8 @@ def make_inputs(d: Path, seed: int = 0) -> None:
         torch.save(torch.randn(n, 3, 112, 112, generator=g), d / f"px{n}.pt")
 
 
-def run_group(d: Path, group: dist.ProcessGroup | None) -> dict[str, torch.Tensor]:
-    """Every check for one process group (this rank is a member)."""
+def run_group(d: Path, group: dist.ProcessGroup | None, compiled: bool) -> dict[str, torch.Tensor]:
+    """Every check for one process group (this rank is a member); the compiled TP stages too if `compiled`."""
     res: dict[str, torch.Tensor] = {}
     for kind in KINDS:
         sd = torch.load(d / f"{kind}.pt")
@@ -60,6 +61,9 @@ def run_group(d: Path, group: dist.ProcessGroup | None) -> dict[str, torch.Tenso
         for mb in (1, 2, 3):
             tp.micro_batches = mb
             res[f"{kind}/tp_mb{mb}"] = tp(px)
+        # the stages compiled, as the builder runs TP unless eager; 6 tiles: two micro-batches of 3
+        if compiled:
+            res[f"{kind}/tp_compiled"] = TPVisionEncoder(enc, group, micro_batches=2, compile=True)(px[:6])
         with torch.no_grad():
             res[f"{kind}/tp_hooks"] = enc(px)  # sharded modules, plain forward: all-reduce in hooks
         res[f"{kind}/qkv_rows"] = torch.tensor(enc.vit.layers[0].attn.qkv.weight.shape[0])
@@ -67,7 +71,8 @@ def run_group(d: Path, group: dist.ProcessGroup | None) -> dict[str, torch.Tenso
 
 
 def worker(rank: int, world: int, port: int, d: str) -> None:
-    """Runs on every rank; for each group size g in (2, world), ranks < g write out_<g>_<rank>.pt."""
+    """Runs on every rank; for each group size g in (2, world), ranks < g write out_<g>_<rank>.pt. The compiled TP
+    stages run in the 2-rank group only (a compile per rank and shard shape is the slow part on CPU)."""
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -75,7 +80,7 @@ def worker(rank: int, world: int, port: int, d: str) -> None:
         for g in sorted({min(2, world), world}):
             group = dist.new_group(list(range(g))) if g < world else None  # every rank must create it
             if rank < g:
-                torch.save(run_group(Path(d), group), Path(d) / f"out_{g}_{rank}.pt")
+                torch.save(run_group(Path(d), group, compiled=g == 2), Path(d) / f"out_{g}_{rank}.pt")
             dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -276,8 +276,10 @@ def test_padded_vocab_logits_equal_plain():
             ref = dec.logits(h)
             dec.pad_vocab(64)
             got = dec.logits(h)
-        assert dec._head_padded.shape == (1024, cfg.hidden_size) and got.shape == (5, 1001)
-        assert dec.lm_head.weight.data_ptr() == dec._head_padded.data_ptr()
-        assert (dec.embed_tokens.weight is dec.lm_head.weight) == tied
-        assert not dec._head_padded[1001:].any()
+        w = dec.lm_head.weight
+        assert w.shape == (1001, cfg.hidden_size) and got.shape == (5, 1001)
+        # the parameter is a view of storage padded to 1024 rows, the padding zero
+        storage = torch.empty(0).set_(w.untyped_storage(), 0, (1024, cfg.hidden_size))
+        assert w.data_ptr() == storage.data_ptr() and not storage[1001:].any()
+        assert (dec.embed_tokens.weight is w) == tied
         torch.testing.assert_close(got, ref, **TOL)

@@ -4,6 +4,7 @@ against the fp32 reference (an accuracy bound, not equality), compiled against e
 from __future__ import annotations
 
 import copy
+import types
 
 import pytest
 import torch
@@ -11,6 +12,8 @@ from test_internvit import build_pair
 
 from batchvl.encoder.fp8 import FP8_MAX, Fp8Linear, dequantized_weight, fp8_vit, quantize_rows
 from batchvl.encoder.internvit_compiled import CompiledEncoder
+from batchvl.job import EngineSpec
+from batchvl.model.build import vision_encoder
 
 
 def test_quantize_rows_scales_each_row_to_the_e4m3_range() -> None:
@@ -74,6 +77,14 @@ def test_fp8_encoder_accuracy_and_compiled_equals_eager(kind: str) -> None:
     got = CompiledEncoder(enc, buckets=[2])(px)
     # compiled == eager up to the last bits of the norms feeding the quantization (a rare e4m3 rounding flip)
     assert float((got - eager).norm() / eager.norm()) < 5e-4
+
+
+def test_fp8_refuses_a_tensor_parallel_vit() -> None:
+    """The builder refuses FP8 for a ViT over a tensor-parallel group, naming the setting."""
+    enc, _ = build_pair("300m")
+    ctx = types.SimpleNamespace(tp=2, tp_group=None)
+    with pytest.raises(ValueError, match="vit_fp8"):
+        vision_encoder(types.SimpleNamespace(vision=enc, cfg=enc.cfg), EngineSpec(vit_fp8=True), ctx)
 
 
 @pytest.mark.slow

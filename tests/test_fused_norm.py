@@ -108,21 +108,51 @@ def test_qk_norm_kernel_in_the_interpreter() -> None:
     run_interpreted(code)
 
 
+def test_norm_kernel_rows_per_program_in_the_interpreter() -> None:
+    """`launch_config` gives each program 2048 columns' worth of rows; over several programs, the last one's rows
+    partly past M (masked), the kernel writes what one row per program writes, bit for bit, for `shifted_norm`
+    (RMSNorm, LayerNorm with and without bias) and `qk_norm` (rows 3C apart); each equals its reference in fp32."""
+    pytest.importorskip("triton")
+    code = textwrap.dedent(
+        """
+        import torch
+        from batchvl.ops import fused_norm as fn
+        from batchvl.ops.triton_support import triton_runs_on
+        assert [fn.launch_config(C)[0] for C in (64, 100, 1024, 3200)] == [32, 16, 2, 1]
+        default = fn.launch_config
+        torch.manual_seed(0)
+        M = 37  # 2 programs of 32 rows at C = 64, 3 of 16 at C = 96 and 100: the last one partly past M
+        for C, rms, hnb in ((100, True, False), (64, False, True), (96, False, False)):
+            x, shift, qkv = torch.randn(M, C), torch.randn(C), torch.randn(M, 3 * C)
+            w, w2, nb = 1 + 0.1 * torch.randn(C), 1 + 0.1 * torch.randn(C), torch.randn(C) if hnb else None
+            assert triton_runs_on(x)  # the kernel, not the reference fallback
+            outs = []
+            for cfg in (None, (1, 4), (4, 4)):
+                fn.launch_config = default if cfg is None else (lambda C, cfg=cfg: cfg)
+                outs.append((fn.shifted_norm(x, shift, w, nb, 1e-6, rms), fn.qk_norm(qkv, w, w2, 1e-6)))
+            fn.launch_config = default
+            for o in outs[1:]:
+                assert all(torch.equal(a, b) for a, b in zip(o, outs[0]))
+            want = fn.shifted_norm_reference(x, shift, w, nb, 1e-6, rms)
+            torch.testing.assert_close(outs[0][0], want, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(outs[0][1], fn.qk_norm_reference(qkv, w, w2, 1e-6), atol=1e-5, rtol=1e-5)
+        print("ok")
+        """
+    )
+    run_interpreted(code)
+
+
 def test_the_builder_picks_the_vit_path() -> None:
-    """Default: the compiled in-place path; eager: the module itself; FP8: the plain compiled path over FP8 layers;
-    FP8 with a tensor-parallel ViT: refused, naming the setting."""
+    """Default: the compiled in-place path; eager: the module itself; FP8: the plain compiled path over the
+    encoder's layers made FP8 in place (the FP8 + tensor-parallel refusal: test_fp8.py)."""
     enc, _ = build_pair("300m")
     model = types.SimpleNamespace(vision=enc, cfg=enc.cfg)
     encode = vision_encoder(model, EngineSpec())
     assert isinstance(encode, CompiledEncoder) and encode.inplace
     assert vision_encoder(model, EngineSpec(eager=True)) is enc
-    fp8 = vision_encoder(
-        types.SimpleNamespace(vision=build_pair("300m")[0], cfg=enc.cfg), EngineSpec(vit_fp8=True)
-    )
+    model8 = types.SimpleNamespace(vision=build_pair("300m")[0], cfg=enc.cfg)
+    fp8 = vision_encoder(model8, EngineSpec(vit_fp8=True))
     assert isinstance(fp8, CompiledEncoder) and not fp8.inplace
-    assert isinstance(fp8.enc.vit.layers[0].mlp.fc1, Fp8Linear)
-    tp2 = types.SimpleNamespace(tp=2, tp_group=None)
-    with pytest.raises(ValueError, match="vit_fp8"):
-        vision_encoder(
-            types.SimpleNamespace(vision=build_pair("300m")[0], cfg=enc.cfg), EngineSpec(vit_fp8=True), tp2
-        )
+    for layer in model8.vision.vit.layers:
+        for lin in (layer.attn.qkv, layer.attn.proj, layer.mlp.fc1, layer.mlp.fc2):
+            assert isinstance(lin, Fp8Linear)

@@ -223,9 +223,30 @@ def test_engine_choices_are_checked(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "key", ["compile_vit", "attn_backend", "overlap_vit", "vit_fused_norm", "cuda_graphs"]
+    "key, replaced_by",
+    [
+        ("compile_vit", "engine.eager: true turns compilation off"),
+        ("compile_llm", "engine.eager: true turns compilation off"),
+        ("cuda_graphs", "engine.eager: true turns them off"),
+        ("attn_backend", "chosen per batch"),
+        ("overlap_vit", "removed"),
+        ("vit_fused_norm", "always fuses"),
+    ],
 )
-def test_a_removed_engine_key_says_what_replaced_it(tmp_path, key):
+def test_a_removed_engine_key_says_what_replaced_it(tmp_path, key, replaced_by):
     """An old job file naming an engine key that measurement turned into code is refused with the key and why."""
-    with pytest.raises(JobError, match=rf"^job\.engine\.{key}: no longer a setting \(.+\); delete the key"):
+    with pytest.raises(JobError) as e:
         load_job(REPO / "jobs/demo.yaml", [f"engine.{key}=true", f"output.dir={tmp_path}"])
+    msg = str(e.value)
+    assert msg.startswith(f"job.engine.{key}: no longer a setting (") and msg.endswith("); delete the key")
+    assert replaced_by in msg
+
+
+def test_eager_is_a_boolean(tmp_path):
+    for value, want in (("true", True), ("false", False)):
+        job = load_job(REPO / "jobs/demo.yaml", [f"engine.eager={value}", f"output.dir={tmp_path}"])
+        assert job.engine.eager is want
+    with pytest.raises(JobError, match=r"^job\.engine\.eager: expected true or false"):
+        load_job(REPO / "jobs/demo.yaml", ["engine.eager=sometimes", f"output.dir={tmp_path}"])
+    with pytest.raises(JobError, match=r"^job\.engine\.eagre: unknown key \(did you mean 'eager'\?\)"):
+        load_job(REPO / "jobs/demo.yaml", ["engine.eagre=true", f"output.dir={tmp_path}"])

@@ -10,6 +10,7 @@ from conftest import IMG_CONTEXT_ID, to_opengvlab
 
 from batchvl.config import load_config
 from batchvl.engine import Engine, Request, Sampling, packed_meta
+from batchvl.llm.kv_cache import blocks_for
 from batchvl.model.loader import CheckpointError, load_model, random_model
 
 TOL = dict(atol=2e-5, rtol=1e-4)
@@ -27,7 +28,8 @@ def _inputs(n_tiles: int = 2, n_text: int = 12, seed: int = 0):
 def _our_logits(model, ids, pv):
     feats = model.encode_images(pv)
     h = model.embed(ids, feats)
-    pos, meta = packed_meta([ids.shape[0]], [0], "cpu")
+    n = ids.shape[0]
+    pos, meta = packed_meta([n], [0], torch.zeros(1, blocks_for(n), dtype=torch.int32))  # no KV pool
     return model.llm.logits(model.llm(h, pos, meta, None))
 
 
@@ -52,9 +54,8 @@ def test_greedy_tokens_match_generate(hf_model_dir):
     with torch.no_grad():
         ref = hf.generate(input_ids=ids[None], pixel_values=pv, max_new_tokens=8, do_sample=False,
                           min_new_tokens=8, eos_token_id=None, pad_token_id=0)[0, ids.shape[0]:].tolist()  # fmt: skip
-    eng = Engine(model, cfg)
-    out = eng.run_batch([Request(ids, pv)], Sampling(max_new_tokens=8, ignore_eos=True)).output_ids[0]
-    assert out == ref
+    req = Request(ids, pv, sampling=Sampling(max_new_tokens=8, ignore_eos=True))
+    assert Engine(model, cfg).generate([req])[0].output_ids == ref
 
 
 def test_opengvlab_and_transformers_layouts_load_same_weights(hf_model_dir, tmp_path):

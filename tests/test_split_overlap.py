@@ -60,7 +60,8 @@ def test_cost_model() -> None:
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_tp_dp_match_one_process(inputs, monkeypatch) -> None:
-    """On 2 and 4 ranks: TP (1, 2, 3 micro-batches, and hook-driven) and DP (7 and 3 tiles) equal one process."""
+    """On 2 and 4 ranks: TP (1, 2, 3 micro-batches, and hook-driven) and DP (7 and 3 tiles) equal one process; on 2
+    ranks also TP with its stages compiled (the builder's TP unless eager)."""
     import dist_vit_worker as w
     import torch.multiprocessing as mp
 
@@ -76,5 +77,9 @@ def test_tp_dp_match_one_process(inputs, monkeypatch) -> None:
                 torch.testing.assert_close(res[f"{kind}/dp{n}"], refs[f"{kind}/{n}"], atol=ATOL, rtol=RTOL)
             for key in ("tp_mb1", "tp_mb2", "tp_mb3", "tp_hooks"):
                 torch.testing.assert_close(res[f"{kind}/{key}"], refs[f"{kind}/7"], atol=ATOL, rtol=RTOL)
+            if world == 2:  # 6 of the 7 tiles
+                torch.testing.assert_close(
+                    res[f"{kind}/tp_compiled"], refs[f"{kind}/7"][:6], atol=ATOL, rtol=RTOL
+                )
             # micro-batch splits give the same result as no split
             torch.testing.assert_close(res[f"{kind}/tp_mb2"], res[f"{kind}/tp_mb1"], atol=ATOL, rtol=RTOL)

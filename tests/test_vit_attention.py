@@ -1,4 +1,4 @@
-"""The CLS-aware ViT attention (`encoder/vit_attention.py`): its reference against the eager layer's `mix`, its Triton
+"""The CLS-aware ViT attention (`ops/vit_attention.py`): its reference against the eager layer's `mix`, its Triton
 kernel through Triton's interpreter on CPU (fp32 tightly, fp16 within its rounding; pointer and TMA loads), and the
 encoder through the kernel (residual stream plain or in place) against the eager encoder."""
 
@@ -25,7 +25,7 @@ ATOL, RTOL = 1e-5, 1e-4
 @pytest.mark.parametrize("vision", ["6b", "300m"])
 def test_reference_and_cpu_op_are_the_eager_mix(vision) -> None:
     """On CPU the op runs its reference, which is `InternViTAttention.mix` from the same qkv rows (q/k RMSNorm over
-    the full width for 6B); `fast_mix` with the kernel asked for falls back to the same sums."""
+    the full width for 6B); `fast_mix` falls back to the same sums."""
     enc, _ = build_pair(vision)
     attn = enc.vit.layers[0].attn
     B, T, C = 3, 65, enc.cfg.vision.hidden_size
@@ -87,8 +87,9 @@ def test_kernel_in_the_interpreter() -> None:
 def test_encoder_through_the_kernel_in_the_interpreter() -> None:
     """The whole encoder with attention through the kernel (6B-style: qk-norm folded in; 300M-style: qkv bias),
     head_dim 64 at 16 x 16 patches (T = 257), equals the eager encoder in fp32; also with the residuals in place
-    (`fast_forward_inplace`, the default path, after folding the layer scales). At head_dim 128 (no kernel config: the 6B's way) the same
-    through `vit_attention_sdpa`, its q/k RMSNorm in the Triton norm kernel."""
+    (`fast_forward_inplace`, the default path, after folding the layer scales; the reference taken before). At
+    head_dim 128 (no kernel config: the 6B's way) the same through `vit_attention_sdpa`, its q/k RMSNorm in the
+    Triton norm kernel."""
     pytest.importorskip("triton")
     code = textwrap.dedent(
         """
