@@ -56,30 +56,9 @@ if triton is not None:
 
     @triton.jit
     def _decode_partial_kernel(
-        Q,
-        K,
-        V,
-        LENS,
-        BT,
-        PM,
-        PL,
-        PA,
-        S,
-        qk_scale,
-        stride_qb,
-        stride_qh,
-        stride_bt,
-        stride_kb,
-        stride_kh,
-        stride_ks,
-        stride_vb,
-        stride_vh,
-        stride_vs,
-        REP: tl.constexpr,
-        REP_P: tl.constexpr,
-        D: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-    ):
+        Q, K, V, LENS, BT, PM, PL, PA, S, qk_scale, stride_qb, stride_qh, stride_bt, stride_kb, stride_kh, stride_ks,
+        stride_vb, stride_vh, stride_vs, REP: tl.constexpr, REP_P: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):  # fmt: skip
         """One (sequence, kv head, chunk): its REP query heads against its share of the keys below LENS[b] (and S),
         block by block through the sequence's row of BT. Partials PM / PL [B, H, NS] and PA [B, H, NS, D] (fp32);
         an empty chunk writes max -inf, sum 0."""

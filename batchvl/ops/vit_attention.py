@@ -72,24 +72,9 @@ if triton is not None:
 
     @triton.jit
     def _cls_partial(
-        k,
-        v,
-        RKS,
-        PM,
-        PL,
-        PA,
-        krows,
-        q0,
-        k0,
-        v0,
-        ks0,
-        qk_scale,
-        d,
-        part,
-        first,
-        NORM: tl.constexpr,
+        k, v, RKS, PM, PL, PA, krows, q0, k0, v0, ks0, qk_scale, d, part, first, NORM: tl.constexpr,
         D: tl.constexpr,
-    ):
+    ):  # fmt: skip
         """The CLS query against one program's patch keys k, v [BLOCK, D] (rows krows; program 0: and the CLS key):
         its partial (max, sum, output) for `_cls_merge_kernel`."""
         s0 = tl.sum(k.to(tl.float32) * q0[None, :], axis=1)  # [BLOCK]
@@ -120,19 +105,9 @@ if triton is not None:
 
     @triton.jit
     def _load_kv(
-        QKV,
-        KDESC,
-        base,
-        base32,
-        j,
-        kcol,
-        vcol,
-        kc0,
-        vc0,
-        stride_row,
-        BLOCK_N: tl.constexpr,
+        QKV, KDESC, base, base32, j, kcol, vcol, kc0, vc0, stride_row, BLOCK_N: tl.constexpr,
         TMA: tl.constexpr,
-    ):
+    ):  # fmt: skip
         """Patch keys j .. j + BLOCK_N - 1 of one (tile, head): k, v [BLOCK_N, D] and their rows [BLOCK_N].
         kc0, vc0: the head's first k / v column (the TMA boxes' column coordinates)."""
         krows = base + 1 + j + tl.arange(0, BLOCK_N)
@@ -146,27 +121,9 @@ if triton is not None:
 
     @triton.jit
     def _vit_attn_kernel(
-        QKV,
-        OUT,
-        RQ,
-        RKS,
-        G,
-        PM,
-        PL,
-        PA,
-        T,
-        H,
-        C,
-        stride_row,
-        qk_scale,
-        QDESC,
-        KDESC,
-        NORM: tl.constexpr,
-        D: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        TMA: tl.constexpr = False,
-    ):
+        QKV, OUT, RQ, RKS, G, PM, PL, PA, T, H, C, stride_row, qk_scale, QDESC, KDESC,
+        NORM: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr = False,
+    ):  # fmt: skip
         """RQ: rstd_q per row; RKS: rstd_k * scale * log2(e) per row; G: w_q * w_k (all fp32; NORM only).
         TMA: q, k, v tiles loaded through the tensor descriptors QDESC ([BLOCK_M, D] boxes) and KDESC ([BLOCK_N, D])
         over the qkv rows."""
@@ -300,28 +257,8 @@ def _vit_attention_triton(
 
         qd, kd = (TensorDescriptor.from_tensor(qkv, [b_, D]) for b_ in (block_m, block_n))
     _vit_attn_kernel[(nq, B * H)](
-        qkv,
-        o,
-        rq,
-        rk,
-        g,
-        pm,
-        pl,
-        pa,
-        T,
-        H,
-        C,
-        qkv.stride(0),
-        scale * math.log2(math.e),
-        qd,
-        kd,
-        NORM=norm,
-        D=D,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        TMA=tma,
-        num_warps=warps,
-        num_stages=stages,
-    )
+        qkv, o, rq, rk, g, pm, pl, pa, T, H, C, qkv.stride(0), scale * math.log2(math.e), qd, kd,
+        NORM=norm, D=D, BLOCK_M=block_m, BLOCK_N=block_n, TMA=tma, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
     _cls_merge_kernel[(B * H,)](pm, pl, pa, o, T, H, C, NQ=nq, D=D)
     return o
