@@ -83,3 +83,35 @@ def test_tp_dp_match_one_process(inputs, monkeypatch) -> None:
                 )
             # micro-batch splits give the same result as no split
             torch.testing.assert_close(res[f"{kind}/tp_mb2"], res[f"{kind}/tp_mb1"], atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.slow
+def test_compiled_tp_takes_any_tile_count(tmp_path) -> None:
+    """The compiled TP stages see a new micro-batch size with every new tile count (no buckets): more sizes than
+    Dynamo's recompile limit must still run, and equal the eager encoder (one rank of gloo, in a subprocess)."""
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    code = textwrap.dedent(
+        f"""
+        import copy, os, sys, torch, torch.distributed as dist
+        sys.path.insert(0, {str(repo / "tests")!r})
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{_free_port()}")
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        from test_internvit import build_pair
+        from batchvl.encoder.split_overlap import TPVisionEncoder
+        enc, _ = build_pair("300m")
+        ref = copy.deepcopy(enc)
+        tp = TPVisionEncoder(enc, None, 2, compile=True)
+        for n in range(1, 21):  # micro-batches of 1..10 tiles: 10 sizes
+            px = torch.randn(n, 3, 112, 112)
+            with torch.no_grad():
+                torch.testing.assert_close(tp(px), ref(px), atol=1e-5, rtol=1e-4)
+        print("ok")
+        """
+    )
+    p = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0 and "ok" in p.stdout, p.stderr[-3000:]

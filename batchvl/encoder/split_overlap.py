@@ -212,7 +212,8 @@ class TPVisionEncoder(nn.Module):
         if not hasattr(enc, "tp_group"):
             shard_vit_tp(enc, group)
         self.enc, self.group, self.micro_batches = enc, group, micro_batches
-        opts = dict(dynamic=False, fullgraph=True)
+        # dynamic: the micro-batches' tile counts vary from call to call (no buckets here)
+        opts = dict(dynamic=True, fullgraph=True)
         self.fns = {k: torch.compile(f, **opts) for k, f in TP_STAGES.items()} if compile else TP_STAGES
 
     @torch.no_grad()
