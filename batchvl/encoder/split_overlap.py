@@ -267,7 +267,7 @@ class DPVisionEncoder(nn.Module):
 # Defaults, replaced by measured numbers when given:
 #   flops_per_s  achieved bf16 rate of one GPU on the ViT
 #   t_tile       seconds per tile on one GPU (overrides flops_per_s)
-#   bus_bw       all-reduce bus bandwidth in bytes/s (nccl-tests "busbw"; ~350 GB/s is a conservative H200 NVLink)
+#   bus_bw       all-reduce bus bandwidth in bytes/s (nccl-tests "busbw"; the default a conservative NVLink figure)
 #   latency_s    fixed cost per collective
 #   overlap      share of TP communication hidden by split-batch overlap (0: none)
 #   tp_gemm_eff  efficiency of the 1/world-wide GEMMs relative to full-width ones
