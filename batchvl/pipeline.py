@@ -273,6 +273,9 @@ class Flow:
     workers: int = 0
     prefetch: int = 32
     token_id: Callable[[str], int | None] = lambda text: None  # a stop string -> its single token id
+    # the ranks of a tensor-parallel group: admission must not depend on when each rank's rows got ready, so each
+    # waits for a full `prefetch` of prepared rows (or the end of its rows)
+    lockstep: bool = False
 
 
 class Pipeline:
@@ -308,7 +311,7 @@ class Pipeline:
         source = iter(rows)
         try:
             while True:
-                self._top_up(source, done, prep, wait=not eng.active and not self.ready)
+                self._top_up(source, done, prep, wait=f.lockstep or (not eng.active and not self.ready))
                 if not self.ready and not eng.active:
                     break  # every row is done
                 batch = (
@@ -330,7 +333,8 @@ class Pipeline:
 
     def _top_up(self, source: Iterator[SourceRow], done: set[str], prep: Preparer, wait: bool) -> None:
         """Feed the preparer, and move prepared rows to `ready` (up to `prefetch` of them) without waiting, or, with
-        `wait` (the engine is idle), waiting for one. Error rows are set aside until the rows before them are written."""
+        `wait` (the engine is idle), waiting for one (in lockstep: for all of them). Error rows are set aside until
+        the rows before them are written."""
         while len(self.ready) < self.flow.prefetch:
             while prep.has_room():
                 row = next(source, None)
@@ -356,7 +360,7 @@ class Pipeline:
                 self._fail(item, str(e))
                 continue
             self.ready.append(item)
-            wait = False
+            wait = self.flow.lockstep
 
     def _request(self, it: Item) -> Any:
         from batchvl.engine import Request

@@ -195,6 +195,10 @@ def run_job(
         t_load = time.perf_counter()
         engine = engine_factory(job, device, dtype, stop_token_ids(tokenizer), ctx)
         load_s = time.perf_counter() - t_load
+        if ctx.tp > 1 and hasattr(
+            engine, "pool"
+        ):  # every rank of a replica runs the same batches: the same pool
+            engine.pool.limit(min(dist.all_gather_object(ctx, engine.pool.num_blocks)))
         t_warm = time.perf_counter()  # before any row flows: no preprocessing thread runs during the captures
         graphs = engine.warm_up() if hasattr(engine, "warm_up") else 0
         warm_s = time.perf_counter() - t_warm
@@ -212,6 +216,7 @@ def run_job(
             p.workers,
             p.prefetch,
             token_id=lambda text: single_token(tokenizer, text),
+            lockstep=ctx.tp > 1,
         )
         done = done_ids(out) if decision == "resume" else set()
         writer = PartWriter(out, ctx.rank, job.output.rows_per_part) if ctx.is_writer else None

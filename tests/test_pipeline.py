@@ -310,3 +310,28 @@ def test_pinning_preparer_gives_the_same_tiles(bad_rows_jsonl, tokenizer, monkey
         == sum(x.prepared is not None and x.prepared.pixel_values is not None for x in out[True])
         > 0
     )
+
+
+@pytest.mark.slow
+def test_lockstep_admission_does_not_depend_on_when_rows_get_ready(tokenizer):
+    """Ranks of a tensor-parallel group must admit the same batches: in lockstep the batches are those of an
+    in-process preparer, whatever the worker pool's timing."""
+    rows = [SourceRow(i, str(i), "q" * (1 + i % 7)) for i in range(40)]
+    batches = []
+    for workers in (0, 2):
+        engine = FakeEngine(rows=6)
+        flow = Flow(engine, DyingPreprocessor(), str, Sampling(max_new_tokens=3), max_prefill_tokens=20,
+                    workers=workers, prefetch=8, lockstep=True)  # fmt: skip
+        written: list[dict] = []
+        Pipeline(flow, written.append, t0=0.0).run(rows)
+        assert len(written) == 40
+        batches.append([b["n"] for b in engine.batches])
+    assert batches[0] == batches[1]
+
+
+def test_pool_limit_hands_out_only_lower_blocks():
+    from batchvl.llm.kv_cache import KVPool
+
+    pool = KVPool(1, 10, 1, 16, "cpu", torch.float32)
+    pool.limit(4)
+    assert pool.free == 3 and max(pool.allocate(3)) < 4

@@ -41,6 +41,10 @@ class KVPool:
         """Blocks that can be handed out now."""
         return len(self._free)
 
+    def limit(self, num_blocks: int) -> None:
+        """Hand out no block from `num_blocks` on (the ranks of a tensor-parallel group must admit alike)."""
+        self._free = [b for b in self._free if b < num_blocks]
+
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[i], self.v[i]
 
