@@ -164,10 +164,13 @@ def _fields(raw: dict, spec: DataSpec) -> dict:
         "prompt": raw.get(spec.prompt_field),
         "image": raw.get(spec.image_field),
     }
+    return rec | _generation(raw)
+
+
+def _generation(raw: dict) -> dict:
+    """{"generation": the row's own settings} if it has any, else {}."""
     generation = {k: raw[k] for k in GENERATION_FIELDS if raw.get(k) is not None}
-    if generation:
-        rec["generation"] = generation
-    return rec
+    return {"generation": generation} if generation else {}
 
 
 def _sharegpt(raw: dict, spec: DataSpec) -> dict:
@@ -177,7 +180,7 @@ def _sharegpt(raw: dict, spec: DataSpec) -> dict:
         (t.get("value", t.get("content")) for t in turns if (t.get("from") or t.get("role")) in HUMAN_ROLES),
         None,
     )
-    rec = {"id": raw.get(spec.id_field), "prompt": prompt, "image": raw.get(spec.image_field)}
+    rec = {"id": raw.get(spec.id_field), "prompt": prompt, "image": raw.get(spec.image_field)} | _generation(raw)
     if prompt is None:
         rec["error"] = "no human turn in conversation"
     return rec

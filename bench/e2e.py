@@ -4,6 +4,8 @@ matmul ceiling timed here; then transformers' generate on the same random weight
 in this process on the same machine start, and greedy-token agreement between the two.
 
     python bench/e2e.py --preset internvl2_5-38b --n 500 --runs 2   # one H200; run2 has a warm compile cache
+    python bench/e2e.py --preset internvl2_5-4b --new-tokens 512 --new-tokens-range 16,512 --hf-batches ""
+                                                                    # each row its own max_new_tokens, no transformers
     python bench/e2e.py --smoke                                     # tiny model on CPU: checks the script
 """
 
@@ -13,6 +15,7 @@ import argparse
 import gc
 import json
 import os
+import random
 import shlex
 import subprocess
 import sys
@@ -48,6 +51,18 @@ def data_sets() -> list[str]:
             return [f"data.path={d / 'ShareGPT_V3_filtered_1000.json'}", f"data.image={d / 'tiger.jpeg'}"]
     print("tiger.jpeg not in .data/ or ../shared/data/: the job file's data paths are used", flush=True)
     return []
+
+
+def with_row_lengths(sets: list[str], lo: int, hi: int, tmp: Path) -> list[str]:
+    """The job's ShareGPT file copied with a `max_new_tokens` column drawn uniformly from [lo, hi] (seed 0)."""
+    job_data = next(s.split("=", 1)[1] for s in reversed(sets) if s.startswith("data.path="))
+    rows = json.loads(Path(job_data).read_text())
+    rng = random.Random(0)
+    for r in rows:
+        r["max_new_tokens"] = rng.randint(lo, hi)
+    path = tmp / "sharegpt_row_lengths.json"
+    path.write_text(json.dumps(rows))
+    return [*sets, f"data.path={path}"]
 
 
 def git_commit(repo: Path) -> str:
@@ -97,6 +112,36 @@ def run_hf(hf, prompts: list[list[int]], tiles: torch.Tensor, batch: int, new_to
     return sync_time() - t0, outs
 
 
+def run_transformers(spec, preset: str, dev, hf_rows: list[dict], batches: list[int], new_tokens: int,
+                     table: list[dict]) -> dict[int, list]:  # fmt: skip
+    """transformers' generate at each batch size over the runner's first rows (same weights, same prompts, the
+    image's tiles as the runner's preprocessing makes them); appends a table row per batch size; tokens by batch."""
+    dtype = resolve_dtype(spec, dev)  # the runner's: bfloat16 on GPU, float32 on CPU
+    cfg = from_preset(preset)
+    tiles = Preprocessor(preprocess_config(spec, cfg))("x", spec.data.image).pixel_values.to(dev, dtype)
+    assert all(x["num_tiles"] == tiles.shape[0] for x in hf_rows), "rows with another tiling than the image's"
+    prompts = [x["prompt_token_ids"] for x in hf_rows]
+    hf_flops = sum(request_flops(cfg, tiles.shape[0], len(p), new_tokens) for p in prompts)
+    t = time.perf_counter()
+    model, _ = random_model(preset, dev, dtype, seed=spec.model.seed)  # the runner's weights: same draw
+    hf = hf_sharing_weights(model, cfg)
+    print(f"transformers: {preset} ({dtype}, {dev}) built in {time.perf_counter() - t:.1f}s", flush=True)
+    tokens = {}
+    for b in batches:
+        run_hf(hf, prompts[:b], tiles, b, new_tokens)  # warm-up, untimed
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        secs, tokens[b] = run_hf(hf, prompts, tiles, b, new_tokens)
+        peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None
+        table.append(dict(run=f"transformers b={b}", req_s=len(prompts) / secs, secs=secs, load_s=None,
+                          out_tok_s=len(prompts) * new_tokens / secs, ttft_ms=None, peak_gib=peak,
+                          tflops=hf_flops / secs / 1e12))  # fmt: skip
+        print(f"transformers b={b}: {len(prompts) / secs:.3f} req/s over {len(prompts)} rows", flush=True)
+    del hf, model
+    gc.collect()
+    return tokens
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--job", default=str(ROOT / "jobs" / "sharegpt_tiger.yaml"))
@@ -111,7 +156,14 @@ def main() -> None:
     )
     ap.add_argument("--repo", action="append", type=Path, metavar="PATH",
                     help="run the runner of this checkout (labelled by its folder name); repeat to compare")  # fmt: skip
-    ap.add_argument("--hf-batches", default="16,32")
+    ap.add_argument(
+        "--new-tokens-range",
+        metavar="LO,HI",
+        help="each row's own max_new_tokens, uniform in [LO, HI] (a dataset column; HI <= --new-tokens)",
+    )
+    ap.add_argument(
+        "--hf-batches", default="16,32", help='transformers\' batch sizes ("": no transformers rows)'
+    )
     ap.add_argument("--hf-n", type=int, default=64, help="rows for transformers (the runner's first)")
     ap.add_argument("--smoke", action="store_true", help="tiny-qwen2 on CPU, 8 rows")
     a = ap.parse_args()
@@ -130,6 +182,9 @@ def main() -> None:
 
     table, runs, commits = [], [], []  # runs: (label, rows)
     with tempfile.TemporaryDirectory(prefix="e2e-") as tmp:
+        if a.new_tokens_range:
+            sets = with_row_lengths(sets, *map(int, a.new_tokens_range.split(",")), Path(tmp))
+        spec = load_job(job, sets)
         for repo in repos:
             name = "batchvl" if repo == ROOT else repo.name
             commits.append(f"{name} {repo} at {git_commit(repo)}")
@@ -142,69 +197,53 @@ def main() -> None:
                                           len(x["output_token_ids"])) for x in r["rows"])  # fmt: skip
                 table.append(dict(run=label, req_s=s["request_throughput"], out_tok_s=s["output_token_throughput"],
                                   secs=m["duration_s"], load_s=m["load_s"], ttft_ms=s["mean_ttft_ms"],
-                                  tflops=flops / m["duration_s"] / 1e12, peak_gib=max(peaks, default=None)))  # fmt: skip
+                                  tflops=flops / m["duration_s"] / 1e12, peak_gib=max(peaks, default=None),
+                                  startup_s=s.get("warm_up_s", 0.0) + s.get("vit_compile_s", 0.0),
+                                  active=s.get("mean_active_rows")))  # fmt: skip
                 runs.append((label, r["rows"]))
 
     # transformers, in this process now that the runners have exited (their GPU memory is free)
-    spec = load_job(job, sets)
     dev = torch.device("cuda" if spec.model.device != "cpu" and torch.cuda.is_available() else "cpu")
-    dtype = resolve_dtype(spec, dev)  # the runner's: bfloat16 on GPU, float32 on CPU
-    cfg = from_preset(a.preset)
     ceiling = matmul_ceiling()["events_b2b"] if dev.type == "cuda" else None
-    # every row asks about the same image: its tiles, as the runner's preprocessing makes them
-    tiles = Preprocessor(preprocess_config(spec, cfg))("x", spec.data.image).pixel_values.to(dev, dtype)
-    hf_rows = runs[0][1][: a.hf_n]
-    assert all(x["num_tiles"] == tiles.shape[0] for x in hf_rows), (
-        "rows with another tiling than tiger.jpeg's"
-    )
-    prompts = [x["prompt_token_ids"] for x in hf_rows]
-    hf_flops = sum(request_flops(cfg, tiles.shape[0], len(p), a.new_tokens) for p in prompts)
-    t = time.perf_counter()
-    model, _ = random_model(a.preset, dev, dtype, seed=spec.model.seed)  # the runner's weights: same draw
-    hf = hf_sharing_weights(model, cfg)
-    print(f"transformers: {a.preset} ({dtype}, {dev}) built in {time.perf_counter() - t:.1f}s", flush=True)
-    hf_tokens = {}
-    for b in (int(x) for x in a.hf_batches.split(",")):
-        run_hf(hf, prompts[:b], tiles, b, a.new_tokens)  # warm-up, untimed
-        if dev.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        secs, hf_tokens[b] = run_hf(hf, prompts, tiles, b, a.new_tokens)
-        peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None
-        table.append(dict(run=f"transformers b={b}", req_s=len(prompts) / secs, secs=secs, load_s=None,
-                          out_tok_s=len(prompts) * a.new_tokens / secs, ttft_ms=None, peak_gib=peak,
-                          tflops=hf_flops / secs / 1e12))  # fmt: skip
-        print(f"transformers b={b}: {len(prompts) / secs:.3f} req/s over {len(prompts)} rows", flush=True)
-    del hf, model
-    gc.collect()
-
-    hf_best = max((r for r in table if r["run"].startswith("transformers")), key=lambda r: r["req_s"])
-    best_b = int(hf_best["run"].split("=")[1])
+    batches = [int(x) for x in a.hf_batches.split(",") if x]
+    hf_rows, hf_tokens = runs[0][1][: a.hf_n], {}
+    if batches:
+        hf_tokens = run_transformers(spec, a.preset, dev, hf_rows, batches, a.new_tokens, table)
+    hf = [r for r in table if r["run"].startswith("transformers")]
+    hf_best = max(hf, key=lambda r: r["out_tok_s"]) if hf else None
     gpu = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
     print(f"\ncommand: {shlex.join(['python', 'bench/e2e.py', *sys.argv[1:]])}")
     print(f"torch {torch.__version__}, {gpu}; runner: {'; '.join(commits)}")
     print(f"MFU: every row's full model FLOPs (work the caches skip included) / duration / {ceiling:.0f} TFLOP/s "
           "(8192^3 bf16 matmul timed in this run)" if ceiling else "MFU: n/a on CPU")  # fmt: skip
     print(
-        f"transformers best: b={best_b}, {hf_best['req_s']:.3f} req/s, {hf_best['out_tok_s']:.1f} output tok/s"
+        "start-up s: the summary's warm-up + ViT compiles during the job; active: mean rows per decode step"
     )
-    print(
-        "| run | req/s | output tok/s | duration s | load s | mean TTFT ms | MFU | peak GiB | x best transformers |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|")
+    if hf_best:
+        print(f"transformers best: {hf_best['run']}, {hf_best['req_s']:.3f} req/s, "
+              f"{hf_best['out_tok_s']:.1f} output tok/s")  # fmt: skip
+    print("| run | req/s | output tok/s | duration s | load s | start-up s | mean TTFT ms | active | MFU | peak GiB "
+          "| x best transformers (output tok/s) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
 
     def f(v, fmt):
         return "n/a" if v is None else format(v, fmt)
 
     for r in table:
         mfu = r["tflops"] / ceiling if ceiling else None
+        ratio = r["out_tok_s"] / hf_best["out_tok_s"] if hf_best else None
         print(f"| {r['run']} | {r['req_s']:.3f} | {r['out_tok_s']:.1f} | {r['secs']:.1f} | {f(r['load_s'], '.1f')} | "
-              f"{f(r['ttft_ms'], '.0f')} | {f(mfu, '.3f')} | {f(r['peak_gib'], '.1f')} | "
-              f"{r['req_s'] / hf_best['req_s']:.2f} |")  # fmt: skip
-    for label, rows in runs:
-        by_id = {x["id"]: x["output_token_ids"] for x in rows}
-        mine = [by_id.get(x["id"], []) for x in hf_rows]
+              f"{f(r.get('startup_s'), '.1f')} | {f(r['ttft_ms'], '.0f')} | {f(r.get('active'), '.1f')} | "
+              f"{f(mfu, '.3f')} | {f(r['peak_gib'], '.1f')} | {f(ratio, '.2f')} |")  # fmt: skip
+    if hf_best:
+        best_b = int(hf_best["run"].split("=")[1])
         n = sum(map(len, hf_tokens[best_b]))
-        print(f"greedy tokens {label} == transformers b={best_b}: {same_tokens(mine, hf_tokens[best_b])}/{n}")
+        for label, rows in runs:
+            by_id = {x["id"]: x["output_token_ids"] for x in rows}
+            mine = [by_id.get(x["id"], []) for x in hf_rows]
+            print(
+                f"greedy tokens {label} == transformers b={best_b}: {same_tokens(mine, hf_tokens[best_b])}/{n}"
+            )
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "e2e.json").write_text(
             json.dumps({"argv": sys.argv, "ceiling": ceiling, "rows": table})

@@ -55,7 +55,8 @@ def test_jsonl_field_overrides_and_shared_image(tmp_path):
 
 def test_sharegpt_takes_the_first_human_turn(tmp_path):
     convs = [
-        {"id": "c1", "conversations": [{"from": "human", "value": "hello"}, {"from": "gpt", "value": "hi"}]},
+        {"id": "c1", "conversations": [{"from": "human", "value": "hello"}, {"from": "gpt", "value": "hi"}],
+         "max_new_tokens": 300},
         {"id": "c2", "conversations": [{"from": "system", "value": "be nice"}, {"from": "human", "value": "q2"},
                                        {"from": "human", "value": "later"}]},
         {"id": "c3", "conversations": [{"from": "gpt", "value": "only the model speaks"}]},
@@ -67,6 +68,7 @@ def test_sharegpt_takes_the_first_human_turn(tmp_path):
         ("c1", "hello", None), ("c2", "q2", None), ("c3", None, "no human turn in conversation")
     ]  # fmt: skip
     assert all(r.image == "/x/tiger.jpeg" for r in got)
+    assert [r.generation for r in got] == [{"max_new_tokens": 300}, None, None]  # a row's own settings
 
 
 @pytest.mark.skipif(not SHAREGPT.is_file(), reason="../shared/data not present")

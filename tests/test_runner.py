@@ -216,7 +216,7 @@ def test_decode_graphs_are_captured_before_any_row_is_prepared(tmp_path, monkeyp
     class Warming(FakeEngine):
         def warm_up(self):
             events.append("warm_up")
-            return 0
+            return {}
 
     submit = pipeline.Preparer.submit
     monkeypatch.setattr(

@@ -165,3 +165,22 @@ def test_admit_that_does_not_fit_takes_nothing():
     with pytest.raises(MemoryError):
         eng.admit([r])
     assert eng.active == 0 and eng.pool.free == 3
+
+
+def test_warm_up_takes_every_prefill_path_and_leaves_the_engine_as_it_was():
+    """The runner's warm-up admits dummy rows (long, short, a prefix-cache hit) so that the compiled layers meet
+    each variant before the clock starts; afterwards no row, block, cache entry or count remains of them."""
+    model, cfg = _model()
+    eng = Engine(
+        model, cfg, EngineSpec(image_cache=True, prefix_cache=True), max_seq_len=4096, pool_blocks=128
+    )
+    seen = []
+    prefill = eng._prefill
+    eng._prefill = lambda ids, feats, prefix_lens, rows: seen.append(prefix_lens) or prefill(
+        ids, feats, prefix_lens, rows
+    )
+    counters = dict(eng.counters)
+    eng._warm_prefill()
+    assert len(seen) == 4 and sum(any(p) for p in seen) == 1  # long, short, prefix stored, prefix hit
+    assert eng.active == 0 and eng.pool.free == eng.pool.num_blocks - 1
+    assert not eng.prefix_cache and not eng.image_cache and eng.counters == counters
