@@ -180,7 +180,8 @@ def _sharegpt(raw: dict, spec: DataSpec) -> dict:
         (t.get("value", t.get("content")) for t in turns if (t.get("from") or t.get("role")) in HUMAN_ROLES),
         None,
     )
-    rec = {"id": raw.get(spec.id_field), "prompt": prompt, "image": raw.get(spec.image_field)} | _generation(raw)
+    rec = {"id": raw.get(spec.id_field), "prompt": prompt, "image": raw.get(spec.image_field)}
+    rec |= _generation(raw)
     if prompt is None:
         rec["error"] = "no human turn in conversation"
     return rec

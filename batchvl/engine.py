@@ -469,7 +469,8 @@ class Engine:
             t = time.perf_counter()
             R = self.max_rows
             while R >= 8:  # the largest first: the graphs share one memory pool
-                z = torch.zeros(R, dtype=torch.long, device=self.device)  # token 0, position 0, block 0: scratch
+                # token 0 at position 0 into block 0 (scratch)
+                z = torch.zeros(R, dtype=torch.long, device=self.device)
                 self.decode_step(z, z.clone(), self.tables[:R], self.pool)
                 R //= 2
             secs["decode_graphs"] = self._synced_since(t)
@@ -486,15 +487,15 @@ class Engine:
         are left as they were."""
         counters = dict(self.counters)
         quick = Sampling(max_new_tokens=1, ignore_eos=True)  # finished at admission: nothing stays in flight
-        long_rows = [Request(torch.ones(PER_SEQ_MIN_MEAN + i, dtype=torch.long), sampling=quick) for i in (1, 2)]
-        short_rows = [Request(torch.ones(24 + i, dtype=torch.long), sampling=quick) for i in (1, 2, 3)]
-        for batch in (long_rows, short_rows):
-            self.admit(batch)
+        for lengths in ((PER_SEQ_MIN_MEAN + 1, PER_SEQ_MIN_MEAN + 2), (25, 26, 27)):  # long rows, short rows
+            self.admit([Request(torch.ones(n, dtype=torch.long), sampling=quick) for n in lengths])
         if self.settings.prefix_cache:
-            img = self.cfg.num_image_token
-            ids = torch.cat([torch.ones(8), torch.full((img,), self.cfg.image_token_id), torch.ones(40)]).long()
-            px = torch.zeros(1, 3, self.cfg.vision.image_size, self.cfg.vision.image_size)
-            rows = [Request(ids + i * (ids != self.cfg.image_token_id), px, f"warm-up {i}", quick) for i in (1, 2)]
+            c = self.cfg
+            img = torch.full((c.num_image_token,), c.image_token_id)  # one tile's
+            ids = torch.cat([torch.ones(8, dtype=torch.long), img, torch.ones(40, dtype=torch.long)])
+            text = ids != c.image_token_id
+            px = torch.zeros(1, 3, c.vision.image_size, c.vision.image_size)
+            rows = [Request(ids + i * text, px, f"warm-up {i}", quick) for i in (1, 2)]
             for _ in range(2):  # stored, then hit
                 self.admit(rows)
             self.drop_caches()

@@ -202,7 +202,7 @@ def run_job(
         t_warm = time.perf_counter()  # before any row flows: no preprocessing thread runs during the captures
         parts = engine.warm_up() if hasattr(engine, "warm_up") else {}
         warm_s = time.perf_counter() - t_warm
-        log.info("warm-up %.1f s (%s)", warm_s, ", ".join(f"{k} {v:.1f} s" for k, v in parts.items()) or "eager")
+        log.info("warm-up %.1f s (%s)", warm_s, ", ".join(f"{k} {v:.1f} s" for k, v in parts.items()))
         vit_stats = getattr(getattr(engine, "encode_fn", None), "stats", None)
         vit_warm_s = vit_stats.total_compile_s if vit_stats is not None else 0.0
         log.info("model ready in %.1f s (%s, %s, %s)", load_s, m.path or m.preset, device, dtype)

@@ -176,9 +176,12 @@ def test_warm_up_takes_every_prefill_path_and_leaves_the_engine_as_it_was():
     )
     seen = []
     prefill = eng._prefill
-    eng._prefill = lambda ids, feats, prefix_lens, rows: seen.append(prefix_lens) or prefill(
-        ids, feats, prefix_lens, rows
-    )
+
+    def spy(ids, feats, prefix_lens, rows):
+        seen.append(prefix_lens)
+        return prefill(ids, feats, prefix_lens, rows)
+
+    eng._prefill = spy
     counters = dict(eng.counters)
     eng._warm_prefill()
     assert len(seen) == 4 and sum(any(p) for p in seen) == 1  # long, short, prefix stored, prefix hit
