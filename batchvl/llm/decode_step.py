@@ -66,6 +66,12 @@ class DecodeStep:
     def captures(self) -> int:
         return len(self.cache)
 
+    def clear(self) -> None:
+        """Drop every graph and their memory pool (capturing into a pool whose graphs are gone trips an assert in
+        PyTorch's allocator)."""
+        self.cache.clear()
+        self.mempool = None
+
     def __call__(
         self, tok: torch.Tensor, pos: torch.Tensor, table: torch.Tensor, pool: KVPool
     ) -> torch.Tensor:
@@ -79,7 +85,7 @@ class DecodeStep:
                 log.warning("CUDA graph capture of the decode step failed (%s: %s); decoding eagerly from now on",
                             type(e).__name__, e)  # fmt: skip
                 self.graphs, self.failed = False, f"{type(e).__name__}: {e}"
-                self.cache.clear()
+                self.clear()
                 if tok.is_cuda:
                     torch.cuda.synchronize(tok.device)
                 return decode_forward(self.llm, tok, pos, table, pool)
