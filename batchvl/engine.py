@@ -482,22 +482,24 @@ class Engine:
         return time.perf_counter() - t
 
     def _warm_prefill(self) -> None:
-        """Admit dummy rows down each path a job takes (Dynamo guards on the attention backend and on a cached
-        prefix, and specializes batches of one): long rows, short rows, and a prefix-cache hit. Caches and counters
+        """Admit dummy rows down each path a job takes, one row and several (Dynamo guards on the attention backend
+        and on a cached prefix, and specializes sizes of one): long rows, short rows, prefix-cache hits. Three and
+        five rows: no model dimension has that size, which duck sizing would tie the batch to. Caches and counters
         are left as they were."""
         counters = dict(self.counters)
         quick = Sampling(max_new_tokens=1, ignore_eos=True)  # finished at admission: nothing stays in flight
-        for lengths in ((PER_SEQ_MIN_MEAN + 1, PER_SEQ_MIN_MEAN + 2), (25, 26, 27)):  # long rows, short rows
-            self.admit([Request(torch.ones(n, dtype=torch.long), sampling=quick) for n in lengths])
+        long, short = PER_SEQ_MIN_MEAN + 1, 25
+        for n, rows in ((long, 1), (long, 3), (short, 1), (short, 5)):
+            self.admit([Request(torch.ones(n + i, dtype=torch.long), sampling=quick) for i in range(rows)])
         if self.settings.prefix_cache:
             c = self.cfg
             img = torch.full((c.num_image_token,), c.image_token_id)  # one tile's
             ids = torch.cat([torch.ones(8, dtype=torch.long), img, torch.ones(40, dtype=torch.long)])
             text = ids != c.image_token_id
             px = torch.zeros(1, 3, c.vision.image_size, c.vision.image_size)
-            rows = [Request(ids + i * text, px, f"warm-up {i}", quick) for i in (1, 2)]
-            for _ in range(2):  # stored, then hit
-                self.admit(rows)
+            rows = [Request(ids + i * text, px, f"warm-up {i}", quick) for i in (1, 2, 3)]
+            for batch in (rows, rows, rows[:1]):  # stored, then hits
+                self.admit(batch)
             self.drop_caches()
         self.counters = counters
 

@@ -86,6 +86,9 @@ def test_num_chunks() -> None:
     assert num_chunks(1, 8, 2048, 64) == 32  # capped at one block per chunk
     assert num_chunks(1, 1, 50, 64) == 1
     assert num_chunks(4096, 8, 2048, 64) == 1
+    assert num_chunks(23, 2, 2304, 64) == 32  # 23 chunks wanted: a power of two, so few merge kernels compile
+    assert num_chunks(1, 2, 36 * 64, 64) == 32  # 36 blocks: rounded down
+    assert {num_chunks(r, 2, 2304, 64) for r in range(1, 513)} == {1, 2, 4, 8, 16, 32}
 
 
 def test_kernel_in_the_interpreter() -> None:

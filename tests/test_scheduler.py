@@ -184,6 +184,8 @@ def test_warm_up_takes_every_prefill_path_and_leaves_the_engine_as_it_was():
     eng._prefill = spy
     counters = dict(eng.counters)
     eng._warm_prefill()
-    assert len(seen) == 4 and sum(any(p) for p in seen) == 1  # long, short, prefix stored, prefix hit
+    # long and short rows (one, several), prefixes stored, then hit (several, one)
+    assert [len(p) for p in seen] == [1, 3, 1, 5, 3, 3, 1]
+    assert [any(p) for p in seen] == [False] * 5 + [True] * 2
     assert eng.active == 0 and eng.pool.free == eng.pool.num_blocks - 1
     assert not eng.prefix_cache and not eng.image_cache and eng.counters == counters

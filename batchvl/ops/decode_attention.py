@@ -137,9 +137,11 @@ def kernel_ok(q: Tensor, k_pool: Tensor) -> bool:
 
 
 def num_chunks(rows: int, kv_heads: int, max_len: int, block_n: int = BLOCK) -> int:
-    """Chunks per (sequence, kv head): enough programs to fill the GPU, each chunk at least one block."""
-    want = -(-MIN_PROGRAMS // max(rows * kv_heads, 1))
-    return max(1, min(want, -(-max_len // block_n)))
+    """Chunks per (sequence, kv head): enough programs to fill the GPU, each chunk at least one block; a power of
+    two, because the merge kernel is compiled per chunk count (a prefill's row counts would each compile one)."""
+    want = 1 << (-(-MIN_PROGRAMS // max(rows * kv_heads, 1)) - 1).bit_length()  # rounded up
+    blocks = max(1, -(-max_len // block_n))
+    return min(want, 1 << (blocks.bit_length() - 1))  # at most the blocks, rounded down
 
 
 def _decode_attention_triton(
