@@ -133,13 +133,13 @@ def _internlm2_stand_in() -> PreTrainedTokenizerBase:
     shift = len(INTERNLM2_NAMED)
     bpe = data["model"]
     kept = {t: i + shift for t, i in bpe["vocab"].items() if i + shift < INTERNLM2_FIRST_CHAT_ID}
-    # in the BPE's own vocabulary too: tokenizers numbers added tokens missing from it after its last id
     bpe["merges"] = [
         m for m in bpe["merges"] if all(t in kept for t in (*_merge_pair(m), "".join(_merge_pair(m))))
     ]
     specials = list(enumerate(INTERNLM2_NAMED)) + [
         (INTERNLM2_FIRST_CHAT_ID + i, c) for i, c in enumerate(INTERNLM2_CHAT + INTERNVL_ADDED)
     ]
+    # <unk> <s> </s> in the BPE's own vocabulary too: tokenizers numbers added tokens it lacks after its last id
     bpe["vocab"] = {t: i for i, t in enumerate(INTERNLM2_NAMED)} | kept
     data["added_tokens"] = [{"id": i, "content": c, **_SPECIAL} for i, c in specials]
     bos = {"SpecialToken": {"id": "<s>", "type_id": 0}}
