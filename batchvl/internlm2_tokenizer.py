@@ -21,7 +21,6 @@ except ImportError:  # pragma: no cover - depends on the environment
     ) from None
 from transformers import AddedToken, PreTrainedTokenizer
 
-_NAMED = ("bos_token", "eos_token", "unk_token", "pad_token")
 # transformers 4's clean_up_tokenization, which InternLM2Tokenizer's decode applies whatever the config says
 _CLEAN_UP = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
              (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))  # fmt: skip
