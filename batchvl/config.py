@@ -123,10 +123,14 @@ PRESETS: dict[str, tuple[dict, dict, dict]] = {
                         num_heads=40, num_kv_heads=8, intermediate_size=27648), {}),
     "internvl2_5-78b": (VIT_6B, dict(arch="qwen2", vocab_size=QWEN_VOCAB, hidden_size=8192, num_layers=80,
                         num_heads=64, num_kv_heads=8, intermediate_size=29568), {}),
-    # tiny presets for tests and the demo job (Qwen vocabulary so the bundled tokenizer fits)
+    # tiny presets for tests and the demo job
     "tiny-qwen2": (dict(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128),
                    dict(arch="qwen2", vocab_size=QWEN_VOCAB, hidden_size=64, num_layers=2, num_heads=4,
                         num_kv_heads=2, intermediate_size=128), {}),
+    # InternLM2's vocabulary and image token id: the job gets the InternLM2 stand-in tokenizer
+    "tiny-internlm2": (dict(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128),
+                       dict(arch="internlm2", vocab_size=INTERNLM2_VOCAB, hidden_size=64, num_layers=2, num_heads=4,
+                            num_kv_heads=2, intermediate_size=128, qkv_bias=False), dict(image_token_id=92546)),
     "tiny-6b-style": (dict(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128, norm_type="rms_norm",
                            qk_normalization=True, qkv_bias=False),
                       dict(arch="qwen2", vocab_size=QWEN_VOCAB, hidden_size=64, num_layers=2, num_heads=4,

