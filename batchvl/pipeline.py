@@ -367,7 +367,8 @@ class Pipeline:
 
         p = it.prepared
         ids = torch.tensor(p.input_ids, dtype=torch.int64)
-        return Request(ids, p.pixel_values, p.image_key, self._sampling(it.row.generation), handle=it)
+        sampling = self._sampling(it.row.generation)
+        return Request(ids, p.pixel_values, p.image_key, sampling, handle=it, images=p.images)
 
     def _sampling(self, own: dict | None) -> Sampling:
         """The job's sampling with the row's own settings; ValueError (the row's error) for a bad value."""
