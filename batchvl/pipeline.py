@@ -491,6 +491,7 @@ class Pipeline:
         )
 
 
-def write_rows(writer: PartWriter | None) -> Callable[[dict], None]:
-    """The writer's add, or a no-op for ranks that do not write (tensor-parallel followers)."""
-    return writer.add if writer is not None else (lambda row: None)
+def write_rows(writer: PartWriter | None, run: int = 0) -> Callable[[dict], None]:
+    """The writer's add, each row stamped with the output dir's `run` number, or a no-op for ranks that do not
+    write (tensor-parallel followers)."""
+    return (lambda row: writer.add(row | {"run": run})) if writer is not None else (lambda row: None)
