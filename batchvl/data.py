@@ -41,10 +41,13 @@ def shard_of(row_id: str, num_shards: int) -> int:
     return zlib.crc32(row_id.encode("utf-8")) % num_shards if num_shards > 1 else 0
 
 
-def iter_rows(spec: DataSpec, shard: int = 0, num_shards: int = 1) -> Iterator[SourceRow]:
-    """This shard's rows in stream order; repeated ids after the first become error rows."""
+def iter_rows(
+    spec: DataSpec, shard: int = 0, num_shards: int = 1, rows: Iterable[dict] | None = None
+) -> Iterator[SourceRow]:
+    """This shard's rows in stream order; repeated ids after the first become error rows. `rows`: the records of
+    format 'rows' (dicts with the source's fields; images as paths, bytes or PIL images)."""
     seen: set[str] = set()
-    for index, rec in enumerate(_limited(records(spec), spec.limit)):
+    for index, rec in enumerate(_limited(records(spec, rows), spec.limit)):
         rid = rec.get("id")
         row_id = str(index) if rid is None or rid == "" else str(rid)
         if shard_of(row_id, num_shards) != shard:
@@ -70,8 +73,16 @@ def _limited(it: Iterable[dict], limit: int | None) -> Iterator[dict]:
         yield rec
 
 
-def records(spec: DataSpec) -> Iterator[dict]:
+def records(spec: DataSpec, rows: Iterable[dict] | None = None) -> Iterator[dict]:
     """Normalized records {id, prompt, image[, error]} of the whole source, in order."""
+    if spec.format == "rows":
+        if rows is None:
+            raise JobError("job.data.format: 'rows' takes its rows from Python: run_job(job, rows=[...])")
+        for raw in rows:
+            rec = _fields(raw, spec)
+            rec["image"] = _image(rec.get("image"), Path.cwd())
+            yield rec
+        return
     if spec.format == "demo":
         from batchvl.demo import demo_rows
 
@@ -238,10 +249,12 @@ def _imagefolder(spec: DataSpec) -> Iterator[dict]:
         yield {"id": p.relative_to(root).as_posix(), "prompt": prompt, "image": str(p)}
 
 
-def count_rows(spec: DataSpec) -> int | None:
+def count_rows(spec: DataSpec, rows: Iterable[dict] | None = None) -> int | None:
     """The job's row count when cheaply known (limit counts as known), for progress and ETA."""
     n: int | None = None
-    if spec.format == "demo":
+    if spec.format == "rows" and hasattr(rows, "__len__"):
+        n = len(rows)
+    elif spec.format == "demo":
         from batchvl.demo import demo_rows
 
         n = len(demo_rows())

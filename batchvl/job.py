@@ -15,7 +15,7 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
-DATA_FORMATS = ("jsonl", "sharegpt", "parquet", "imagefolder", "hf", "demo")
+DATA_FORMATS = ("jsonl", "sharegpt", "parquet", "imagefolder", "hf", "demo", "rows")  # rows: given to run_job
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -292,9 +292,9 @@ def _validate(job: Job) -> None:
     _at_least(m.tp, 1, "job.model.tp")
 
     _choice(d.format, DATA_FORMATS, "job.data.format")
-    if d.format == "demo":
+    if d.format in ("demo", "rows"):
         if d.path is not None:
-            raise JobError("job.data.path: format 'demo' generates its rows; remove data.path")
+            raise JobError(f"job.data.path: format {d.format!r} reads no file; remove data.path")
     elif d.path is None:
         raise JobError(f"job.data.path: required for format {d.format!r}")
     else:

@@ -11,7 +11,7 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from importlib import metadata
 from typing import Any
 
@@ -149,10 +149,18 @@ def _resume_decision(job: Job, ctx: dist.DistContext, job_fp: str, model_fp: str
 
 
 def run_job(
-    job: Job, ctx: dist.DistContext | None = None, engine_factory: Callable = build_engine
+    job: Job,
+    ctx: dist.DistContext | None = None,
+    engine_factory: Callable = build_engine,
+    rows: Iterable[dict] | None = None,
 ) -> dict | None:
-    """Run `job` on this rank; rank 0 returns the summary of all rows in the output dir."""
+    """Run `job` on this rank; rank 0 returns the summary of all rows in the output dir. `rows`: the rows of a job
+    with data.format 'rows', dicts like a jsonl source's ({id, prompt, image}), images as paths, bytes or PIL
+    images (a list of them for several)."""
     ctx = ctx or dist.DistContext()
+    if (rows is not None) != (job.data.format == "rows"):
+        raise JobError("job.data.format: 'rows' and run_job(job, rows=[...]) go together; got format "
+                       f"{job.data.format!r} and {'no ' if rows is None else ''}rows")  # fmt: skip
     m, out = job.model, job.output.dir
     if m.tp != ctx.tp:
         raise JobError(f"job.model.tp: {m.tp} but the process groups were built for tp={ctx.tp}")
@@ -226,7 +234,7 @@ def run_job(
         )
         done = done_ids(out) if decision == "resume" else set()
         writer = PartWriter(out, ctx.rank, job.output.rows_per_part) if ctx.is_writer else None
-        total = count_rows(job.data)
+        total = count_rows(job.data, rows)
         shard_total = None if total is None else -(-total // ctx.num_replicas)
         prep.wait_warm()
         dist.barrier(ctx)
@@ -236,7 +244,7 @@ def run_job(
             total=shard_total, desc=desc, unit="row", disable=not ctx.is_main, dynamic_ncols=True
         ) as bar:
             counts = Pipeline(flow, write_rows(writer, run_number), t0, bar).run(
-                iter_rows(job.data, ctx.replica, ctx.num_replicas), done, prep
+                iter_rows(job.data, ctx.replica, ctx.num_replicas, rows), done, prep
             )
         if writer is not None:
             writer.close()
