@@ -6,6 +6,7 @@ there. `limit` applies to the whole job's stream, before sharding.
 
 from __future__ import annotations
 
+import difflib
 import glob
 import os
 import zlib
@@ -28,7 +29,7 @@ class SourceRow:
     index: int
     id: str
     prompt: str | None
-    image: Any = None  # absolute path, bytes, or None
+    image: Any = None  # absolute path, bytes, PIL image, a list of them (several images), or None
     error: str | None = None
     generation: dict | None = (
         None  # the row's own max_new_tokens / temperature / stop, as the source gave them
@@ -40,10 +41,13 @@ def shard_of(row_id: str, num_shards: int) -> int:
     return zlib.crc32(row_id.encode("utf-8")) % num_shards if num_shards > 1 else 0
 
 
-def iter_rows(spec: DataSpec, shard: int = 0, num_shards: int = 1) -> Iterator[SourceRow]:
-    """This shard's rows in stream order; repeated ids after the first become error rows."""
+def iter_rows(
+    spec: DataSpec, shard: int = 0, num_shards: int = 1, rows: Iterable[dict] | None = None
+) -> Iterator[SourceRow]:
+    """This shard's rows in stream order; repeated ids after the first become error rows. `rows`: the records of
+    format 'rows' (dicts with the source's fields; images as paths, bytes or PIL images)."""
     seen: set[str] = set()
-    for index, rec in enumerate(_limited(records(spec), spec.limit)):
+    for index, rec in enumerate(_limited(records(spec, rows), spec.limit)):
         rid = rec.get("id")
         row_id = str(index) if rid is None or rid == "" else str(rid)
         if shard_of(row_id, num_shards) != shard:
@@ -53,6 +57,9 @@ def iter_rows(spec: DataSpec, shard: int = 0, num_shards: int = 1) -> Iterator[S
             error = "duplicate id"
         seen.add(row_id)
         image = spec.image if spec.image is not None else rec.get("image")
+        if image is None and not spec.allow_text_only and error is None:
+            error = (f"no image (field {spec.image_field!r} is empty); set data.allow_text_only: true "
+                     "to run rows without an image as text-only")  # fmt: skip
         prompt = rec.get("prompt")
         if prompt is None and spec.prompt is not None:
             prompt = spec.prompt
@@ -66,8 +73,16 @@ def _limited(it: Iterable[dict], limit: int | None) -> Iterator[dict]:
         yield rec
 
 
-def records(spec: DataSpec) -> Iterator[dict]:
+def records(spec: DataSpec, rows: Iterable[dict] | None = None) -> Iterator[dict]:
     """Normalized records {id, prompt, image[, error]} of the whole source, in order."""
+    if spec.format == "rows":
+        if rows is None:
+            raise JobError("job.data.format: 'rows' takes its rows from Python: run_job(job, rows=[...])")
+        for raw in rows:
+            rec = _fields(raw, spec)
+            rec["image"] = _image(rec.get("image"), Path.cwd())
+            yield rec
+        return
     if spec.format == "demo":
         from batchvl.demo import demo_rows
 
@@ -101,6 +116,8 @@ def open_dataset(spec: DataSpec) -> Any:
     for name, feat in (ds.features or {}).items():
         if isinstance(feat, datasets.Image):
             ds = ds.cast_column(name, datasets.Image(decode=False))
+        elif isinstance(getattr(feat, "feature", None), datasets.Image):  # a list of images per row
+            ds = ds.cast_column(name, datasets.List(datasets.Image(decode=False)))
     return ds
 
 
@@ -131,17 +148,42 @@ def _open_hf(spec: DataSpec) -> Any:
 
 
 def check_source(spec: DataSpec) -> None:
-    """Open the source (reading no rows) so that a bad path or name fails before any model loads."""
+    """Open the source and check its columns, so that a bad path, name or field fails before any model loads."""
     if spec.format not in ("jsonl", "sharegpt", "parquet", "hf"):
         return
     try:
-        open_dataset(spec)
+        ds = open_dataset(spec)
+        columns = list(ds.features or next(iter(ds), {}))  # features: from the schema or the first rows
     except JobError:
         raise
     except Exception as e:
         raise JobError(
             f"job.data.path: cannot open {spec.path} as {spec.format}: {type(e).__name__}: {e}"
         ) from None
+    if columns:
+        check_columns(spec, columns)
+
+
+def check_columns(spec: DataSpec, columns: list[str]) -> None:
+    """JobError naming the first field the job reads that the source lacks, the columns it has and the key."""
+    have = ", ".join(columns)
+    if spec.format == "sharegpt" and not {"conversations", "messages"} & set(columns):
+        raise JobError(f"job.data.format: sharegpt rows need a 'conversations' or 'messages' column; "
+                       f"{spec.path} has {have}")  # fmt: skip
+    need = []  # (job key, column, what else would do instead)
+    if spec.id_field != "id":  # the default may be absent: then a row's position is its id
+        need.append(("id_field", spec.id_field, ""))
+    if spec.format != "sharegpt" and spec.prompt is None:
+        need.append(("prompt_field", spec.prompt_field, ", or data.prompt for one prompt for every row"))
+    if spec.image is None and not spec.allow_text_only:
+        need.append(("image_field", spec.image_field, ", data.image for one image for every row, or "
+                     "data.allow_text_only: true for text-only rows"))  # fmt: skip
+    for key, column, instead in need:
+        if column not in columns:
+            close = difflib.get_close_matches(column, columns, n=1, cutoff=0.4)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise JobError(f"job.data.{key}: {spec.path} has no column {column!r}{hint}; its columns are "
+                           f"{have}. Set data.{key} to the column to use{instead}")  # fmt: skip
 
 
 def parquet_files(path: str) -> list[str]:
@@ -188,11 +230,13 @@ def _sharegpt(raw: dict, spec: DataSpec) -> dict:
 
 
 def _image(value: Any, base: Path) -> Any:
-    """A path made absolute against the data file's dir; bytes as they are; datasets dicts unpacked."""
+    """A path made absolute against the data file's dir; bytes as they are; datasets dicts unpacked; a list
+    (several images) item by item, a one-item list as its item."""
+    if isinstance(value, (list, tuple)):
+        images = [_image(v, base) for v in value]
+        return None if not images else images[0] if len(images) == 1 else images
     if isinstance(value, dict):
         value = value.get("bytes") or value.get("path")
-    if isinstance(value, list):  # several images per row are not supported: take the first
-        value = value[0] if value else None
     if isinstance(value, str):
         if not value.strip():
             return None
@@ -209,10 +253,12 @@ def _imagefolder(spec: DataSpec) -> Iterator[dict]:
         yield {"id": p.relative_to(root).as_posix(), "prompt": prompt, "image": str(p)}
 
 
-def count_rows(spec: DataSpec) -> int | None:
+def count_rows(spec: DataSpec, rows: Iterable[dict] | None = None) -> int | None:
     """The job's row count when cheaply known (limit counts as known), for progress and ETA."""
     n: int | None = None
-    if spec.format == "demo":
+    if spec.format == "rows" and hasattr(rows, "__len__"):
+        n = len(rows)
+    elif spec.format == "demo":
         from batchvl.demo import demo_rows
 
         n = len(demo_rows())

@@ -52,6 +52,19 @@ class Request:
     image_key: str | None = None  # content hash of the image(s) + tiling, for the caches
     sampling: Sampling = field(default_factory=Sampling)
     handle: Any = None  # the caller's, given back in `Finished`
+    # (content key, tiles) of each image, in order, when pixel_values holds several; empty: one image, image_key
+    images: tuple[tuple[str | None, int], ...] = ()
+
+    def image_units(self) -> list[tuple[str | None, int, int]]:
+        """(content key, first tile, tiles) of each image in pixel_values: what the image cache holds."""
+        if self.pixel_values is None:
+            return []
+        if not self.images:
+            return [(self.image_key, 0, int(self.pixel_values.shape[0]))]
+        starts = [0]
+        for _, n in self.images:
+            starts.append(starts[-1] + n)
+        return [(key, start, n) for (key, n), start in zip(self.images, starts, strict=False)]
 
 
 @dataclass
@@ -203,7 +216,7 @@ class Engine:
         """Whether admitting r runs its tiles through the ViT (not when either cache has what it needs)."""
         if r.pixel_values is None:
             return False
-        if self.settings.image_cache and r.image_key in self.image_cache:
+        if self.settings.image_cache and all(k in self.image_cache for k, _, _ in r.image_units()):
             return False
         return self.cached_tokens(r) == 0
 
@@ -229,39 +242,42 @@ class Engine:
     def encode(
         self, requests: list[Request], skip: list[bool]
     ) -> tuple[list[torch.Tensor | None], list[bool]]:
-        """Image features per request, [tiles*256, hidden] or None (none, or `skip`); and whether each came from the
-        image cache (or an earlier request of this batch with the same image)."""
+        """Image features per request, [tiles*256, hidden] or None (none, or `skip`); and whether all its images came
+        from the image cache (or an earlier image of this batch with the same key). Each image is cached on its own."""
         use_cache = self.settings.image_cache
-        feats: list[torch.Tensor | None] = [None] * len(requests)
         hits = [False] * len(requests)
-        todo: dict[str, list[int]] = {}
+        keys: list[list[str]] = [[] for _ in requests]  # each request's images
+        found: dict[str, torch.Tensor] = {}  # features of this batch's images, cached or encoded
+        todo: dict[str, torch.Tensor] = {}  # key -> the tiles to encode
         for i, r in enumerate(requests):
             if r.pixel_values is None or skip[i]:
                 continue
-            key = r.image_key if (use_cache and r.image_key) else f"#{i}"
-            if use_cache and key in self.image_cache:
-                self.image_cache.move_to_end(key)
-                feats[i], hits[i] = self.image_cache[key], True
-                self.counters["image_cache_hits"] += 1
-            else:
-                if key in todo:  # same image twice in this batch: encoded once
-                    hits[i] = True
+            hits[i] = True
+            for j, (key, start, n) in enumerate(r.image_units()):
+                k = key if (use_cache and key) else f"#{i}.{j}"
+                keys[i].append(k)
+                if k in found or k in todo:  # the same image earlier in this batch: encoded once
                     self.counters["image_cache_hits"] += 1
-                todo.setdefault(key, []).append(i)
+                elif use_cache and k in self.image_cache:
+                    self.image_cache.move_to_end(k)
+                    found[k] = self.image_cache[k]
+                    self.counters["image_cache_hits"] += 1
+                else:
+                    todo[k] = r.pixel_values[start : start + n]
+                    hits[i] = False
         if todo:
-            keys = list(todo)
-            tiles = [requests[todo[k][0]].pixel_values for k in keys]
-            enc = self._encode_tiles(tiles)
+            enc = self._encode_tiles(list(todo.values()))
             start = 0
-            for k, t in zip(keys, tiles, strict=True):
+            for k, t in todo.items():
                 f = enc[start : start + t.shape[0]].reshape(-1, enc.shape[-1])
                 start += t.shape[0]
-                for i in todo[k]:
-                    feats[i] = f
+                found[k] = f
                 if use_cache and not k.startswith("#"):
                     self.image_cache[k] = f.clone()  # not a view: it would keep the batch's features alive
                     while len(self.image_cache) > IMAGE_CACHE_ENTRIES:
                         self.image_cache.popitem(last=False)
+        feats = [None if not ks else found[ks[0]] if len(ks) == 1 else torch.cat([found[k] for k in ks])
+                 for ks in keys]  # fmt: skip
         return feats, hits
 
     # ---- admission: ViT, packed prefill into the pool, first tokens ------------------------------------------

@@ -15,7 +15,7 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
-DATA_FORMATS = ("jsonl", "sharegpt", "parquet", "imagefolder", "hf", "demo")
+DATA_FORMATS = ("jsonl", "sharegpt", "parquet", "imagefolder", "hf", "demo", "rows")  # rows: given to run_job
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -49,14 +49,16 @@ class DataSpec:
     prompt: str | None = None  # prompt for rows without one (imagefolder default: a caption prompt)
     limit: int | None = None
     split: str = "train"  # format hf
-    id_field: str = "id"
+    id_field: str = "id"  # absent from the source: the row's position is its id
     prompt_field: str = "prompt"
-    image_field: str = "image"
+    image_field: str = "image"  # a path, bytes or a list of them (several images per row)
+    allow_text_only: bool = False  # rows without an image run text-only instead of failing
 
 
 @dataclass
 class PreprocessSpec:
-    max_tiles: int = 12
+    max_tiles: int = 12  # per image, not counting the thumbnail
+    max_tiles_per_row: int | None = None  # a row's images share this (each gets max_tiles_per_row // images)
     min_tiles: int = 1
     use_thumbnail: bool = True
     max_input_tokens: int = 32768
@@ -290,9 +292,9 @@ def _validate(job: Job) -> None:
     _at_least(m.tp, 1, "job.model.tp")
 
     _choice(d.format, DATA_FORMATS, "job.data.format")
-    if d.format == "demo":
+    if d.format in ("demo", "rows"):
         if d.path is not None:
-            raise JobError("job.data.path: format 'demo' generates its rows; remove data.path")
+            raise JobError(f"job.data.path: format {d.format!r} reads no file; remove data.path")
     elif d.path is None:
         raise JobError(f"job.data.path: required for format {d.format!r}")
     else:
@@ -303,7 +305,14 @@ def _validate(job: Job) -> None:
             raise JobError(f"job.data.image: {d.image} is not a file")
     _at_least(d.limit, 0, "job.data.limit")
 
-    for k in ("max_tiles", "min_tiles", "max_input_tokens", "max_image_pixels", "prefetch"):
+    for k in (
+        "max_tiles",
+        "min_tiles",
+        "max_input_tokens",
+        "max_image_pixels",
+        "prefetch",
+        "max_tiles_per_row",
+    ):
         _at_least(getattr(pp, k), 1, f"job.preprocess.{k}")
     if pp.min_tiles > pp.max_tiles:
         raise JobError(f"job.preprocess.min_tiles: {pp.min_tiles} > max_tiles {pp.max_tiles}")

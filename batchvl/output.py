@@ -1,4 +1,8 @@
-"""Parquet output: row schema, atomic part writer, manifest/resume checks and the benchmark summary."""
+"""Parquet output: row schema, atomic part writer, manifest/resume checks and the benchmark summary.
+
+A run dir holds the parts (`part-<rank>-<chunk>.parquet`) and batchvl's other files, all named with a leading `_`
+(`_manifest.json`, `_summary.json`, `_summary.txt`, `_report/`) so that Parquet readers given the dir skip them.
+"""
 
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ ROW_SCHEMA: pa.Schema = pa.schema(
         _f("id", pa.string()),
         _f("rank", pa.int32()),
         _f("batch_id", pa.int64()),
+        _f("run", pa.int32()),  # the run of the output dir that wrote the row: 0, then one more per resume
         _f("prompt_token_ids", pa.list_(pa.int32())),
         _f("num_tiles", pa.int32()),
         _f("num_image_tokens", pa.int32()),
@@ -62,7 +67,11 @@ def columns_with_role(role: str) -> tuple[str, ...]:
 
 
 STAGE_COLUMNS: tuple[str, ...] = columns_with_role("stage")
-MANIFEST_NAME = "manifest.json"
+MANIFEST_NAME = "_manifest.json"
+SUMMARY_JSON, SUMMARY_TXT, REPORT_DIR = "_summary.json", "_summary.txt", "_report"
+# names of an older batchvl, which readers of the dir as a Parquet dataset tripped over; upgrade_layout moves them
+_LEGACY = {"manifest.json": MANIFEST_NAME, "summary.json": SUMMARY_JSON, "summary.txt": SUMMARY_TXT,
+           "report": REPORT_DIR}  # fmt: skip
 _PART_RE = re.compile(r"^part-(\d{5,})-(\d{6,})\.parquet$")
 
 
@@ -188,7 +197,7 @@ def done_ids(out_dir: str | Path, rank: int | None = None) -> set[str]:
 
 
 def write_manifest(out_dir: str | Path, manifest: dict) -> None:
-    """Write manifest.json atomically (call again to update, e.g. ended_at)."""
+    """Write _manifest.json atomically (call again to update, e.g. ended_at)."""
     d = Path(out_dir)
     d.mkdir(parents=True, exist_ok=True)
     data = json.dumps(manifest, indent=2, sort_keys=True, default=str).encode()
@@ -196,7 +205,7 @@ def write_manifest(out_dir: str | Path, manifest: dict) -> None:
 
 
 def read_manifest(out_dir: str | Path) -> dict | None:
-    """The manifest.json dict, or None if there is none."""
+    """The _manifest.json dict, or None if there is none."""
     p = Path(out_dir) / MANIFEST_NAME
     return json.loads(p.read_text()) if p.is_file() else None
 
@@ -207,32 +216,83 @@ def fingerprint(obj: Any) -> str:
     return hashlib.sha256(canon.encode()).hexdigest()[:16]
 
 
-def check_resume(out_dir: str | Path, job_fp: str, model_fp: str, overwrite: bool) -> str:
-    """Decide "fresh" | "resume" | "overwrite" for `out_dir`; raise ResumeError on a fingerprint mismatch."""
+def upgrade_layout(out_dir: str | Path) -> None:
+    """Rename an older batchvl's manifest.json, summary.* and report/ to this layout's names (only in a dir whose
+    manifest.json is batchvl's)."""
     d = Path(out_dir)
+    old = d / "manifest.json"
+    if (d / MANIFEST_NAME).exists() or not old.is_file():
+        return
+    try:
+        ours = "job_fingerprint" in json.loads(old.read_text())
+    except (ValueError, OSError):
+        ours = False
+    if ours:
+        for name, new in _LEGACY.items():
+            if (d / name).exists() and not (d / new).exists():
+                os.replace(d / name, d / new)
+
+
+def _flat(d: Any, prefix: str) -> dict[str, Any]:
+    """{"a.b.c": leaf} of nested dicts."""
+    if not isinstance(d, dict):
+        return {prefix: d}
+    return {k: v for key, sub in d.items() for k, v in _flat(sub, f"{prefix}.{key}").items()}
+
+
+def changed_keys(old: dict, new: dict, prefix: str) -> list[str]:
+    """'key: old -> new' for each dotted key whose value differs (keys of `new` only: what fingerprints cover)."""
+    a, b = _flat(old, prefix), _flat(new, prefix)
+    return [f"{k}: {a.get(k)!r} -> {v!r}" for k, v in b.items() if a.get(k) != v]
+
+
+def check_resume(
+    out_dir: str | Path,
+    job_fp: str,
+    model_fp: str,
+    overwrite: bool,
+    job: dict | None = None,
+    model: dict | None = None,
+) -> str:
+    """Decide "fresh" | "resume" | "overwrite" for `out_dir`; raise ResumeError for another job's results (naming
+    the keys that differ: `job`, `model` are what the fingerprints hash) or a dir that is not a run's."""
+    d = Path(out_dir)
+    upgrade_layout(d)
     manifest = read_manifest(d)
     parts = _part_files(d)
     if manifest is None and not parts:
+        others = sorted(p.name for p in d.iterdir() if not p.name.startswith(".")) if d.is_dir() else []
+        if others and not overwrite:
+            shown = ", ".join(others[:5]) + (", ..." if len(others) > 5 else "")
+            raise ResumeError(
+                f"output.dir {d} is not a batchvl run dir and is not empty ({len(others)} entries: {shown}); "
+                "choose a new or empty output.dir, or pass --overwrite to write there anyway (batchvl deletes only "
+                "its own files)"
+            )
         return "fresh"
     if overwrite:
-        stale = [*parts, *d.glob(".part-*.tmp"), d / MANIFEST_NAME, d / "summary.json", d / "summary.txt"]
+        stale = [*parts, *d.glob(".part-*.tmp"), d / MANIFEST_NAME, d / SUMMARY_JSON, d / SUMMARY_TXT]
         for p in stale:
             p.unlink(missing_ok=True)
+        for png in ("stages.png", "throughput.png", "timeline.png"):
+            (d / REPORT_DIR / png).unlink(missing_ok=True)
         return "overwrite"
     if manifest is None:
         raise ResumeError(
             f"{d} has {len(parts)} part file(s) but no {MANIFEST_NAME}, so they cannot be matched to this job; "
-            "pass overwrite to delete them, or use another output dir"
+            "pass --overwrite to delete them, or use another output dir"
         )
-    diffs = [
-        f"{key}: existing {manifest.get(key)!r} != this run {new!r}"
-        for key, new in (("job_fingerprint", job_fp), ("model_fingerprint", model_fp))
-        if manifest.get(key) != new
-    ]
+    diffs = []
+    if manifest.get("job_fingerprint") != job_fp:
+        diffs += changed_keys(manifest.get("job") or {}, job, "job") if job is not None else []
+        diffs = diffs or [f"job fingerprint {manifest.get('job_fingerprint')} -> {job_fp}"]
+    if manifest.get("model_fingerprint") != model_fp:
+        found = changed_keys(manifest.get("model") or {}, model, "model") if model is not None else []
+        diffs += found or [f"model fingerprint {manifest.get('model_fingerprint')} -> {model_fp}"]
     if diffs:
         raise ResumeError(
-            f"{d} holds results of a different job ({'; '.join(diffs)}); "
-            "pass overwrite to delete them, or use another output dir"
+            f"{d} holds results of a different job; changed since: {'; '.join(diffs)}. Pass --overwrite to "
+            "delete those results, or use another output.dir"
         )
     return "resume"
 
@@ -302,6 +362,54 @@ def summarize(table: pa.Table, duration_s: float | None = None) -> dict:
     return s
 
 
+def startup(run: dict) -> dict:
+    """A run's start-up seconds (model ready, decode graphs, the ViT's compiles during the job) and the mean number
+    of sequences each decode step carried."""
+    counts = run.get("counts") or []
+    steps = sum(c.get("decode_steps", 0) for c in counts)
+    out = {"load_s": run.get("load_s"), "warm_up_s": run.get("warm_up_s", 0.0),
+           "vit_compile_s": max((c.get("vit_compile_s", 0.0) for c in counts), default=0.0)}  # fmt: skip
+    if steps:
+        out["mean_active_rows"] = sum(c.get("decode_rows", 0) for c in counts) / steps
+    return out
+
+
+def run_durations(table: pa.Table, runs: list[dict]) -> dict[int, float]:
+    """Each run's active seconds by run number: the manifest's for runs that ended, else the last t_done_s of the
+    rows it wrote (a run that died)."""
+    out = {
+        r.get("run", i): float(r["duration_s"]) for i, r in enumerate(runs) if r.get("duration_s") is not None
+    }
+    numbers = pc.fill_null(_col(table, "run"), 0)  # rows of an older batchvl carry no run number
+    for k in pc.unique(numbers).to_pylist():
+        if k not in out:
+            last = pc.max(_col(table.filter(pc.equal(numbers, k)), "t_done_s")).as_py()
+            out[k] = float(last or 0.0)
+    return dict(sorted(out.items()))
+
+
+def run_summary(out_dir: str | Path, manifest: dict | None = None) -> dict:
+    """The summary of a run dir over all its runs, each counted for its own time: what _summary.json holds and what
+    the report prints (one function, so they agree). `manifest`: the one about to be written, else the dir's."""
+    manifest = manifest if manifest is not None else read_manifest(out_dir) or {}
+    table = read_rows(out_dir)
+    runs = manifest.get("runs") or []
+    durations = run_durations(table, runs)
+    s = summarize(table, sum(durations.values()) if durations else None)
+    if runs:
+        s |= startup(runs[-1])
+    if len(durations) > 1:
+        numbers = pc.fill_null(_col(table, "run"), 0)
+        s["runs"] = []
+        for k, dur in durations.items():
+            mine = table.filter(pc.equal(numbers, k))
+            failed = int(pc.sum(pc.is_valid(_col(mine, "error"))).as_py() or 0)
+            ok = mine.num_rows - failed
+            s["runs"].append({"run": k, "rows": mine.num_rows, "failed": failed, "duration_s": dur,
+                              "request_throughput": ok / dur if dur else None})  # fmt: skip
+    return s
+
+
 _STATS = (("mean", "Mean"), ("median", "Median"), ("p99", "P99"))
 _LAYOUT: dict[str | None, list[tuple[str, str]]] = {
     None: [
@@ -324,8 +432,8 @@ _LAYOUT: dict[str | None, list[tuple[str, str]]] = {
     "Engine": [
         ("gpu_input_wait_s", "Idle waiting for input (s, all ranks):"),
         ("mean_active_rows", "Mean active rows per decode step:"),
-        ("load_s", "Model load (s, this run):"),
-        ("warm_up_s", "Warm-up (s, this run):"),
+        ("load_s", "Model load (s, last run):"),
+        ("warm_up_s", "Warm-up (s, last run):"),
         ("vit_compile_s", "ViT compile during the job (s):"),
     ],
 }
@@ -346,15 +454,22 @@ def format_summary(summary: dict) -> str:
         if section and present:
             lines.append("{s:{c}^50}".format(s=section, c="-"))
         lines += [f"{label:<40} {_fmt(summary[key]):<10}".rstrip() for key, label in present]
+    if summary.get("runs"):  # a resumed dir: the duration above is the sum of these
+        lines.append("{s:{c}^50}".format(s="Runs (each on its own clock)", c="-"))
+        for r in summary["runs"]:
+            label = f"Run {r['run']} (rows, s, req/s):"
+            lines.append(
+                f"{label:<40} {r['rows']} in {_fmt(r['duration_s'])}, {_fmt(r['request_throughput'])}"
+            )
     lines.append("=" * 50)
     return "\n".join(lines)
 
 
 def write_summary(out_dir: str | Path, summary: dict) -> None:
-    """Write summary.json and summary.txt (both atomically)."""
+    """Write _summary.json and _summary.txt (both atomically)."""
     d = Path(out_dir)
     d.mkdir(parents=True, exist_ok=True)
     data = json.dumps(summary, indent=2).encode()
     text = (format_summary(summary) + "\n").encode()
-    _atomic_write(d / "summary.json", lambda f: f.write(data))
-    _atomic_write(d / "summary.txt", lambda f: f.write(text))
+    _atomic_write(d / SUMMARY_JSON, lambda f: f.write(data))
+    _atomic_write(d / SUMMARY_TXT, lambda f: f.write(text))

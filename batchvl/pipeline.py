@@ -367,7 +367,8 @@ class Pipeline:
 
         p = it.prepared
         ids = torch.tensor(p.input_ids, dtype=torch.int64)
-        return Request(ids, p.pixel_values, p.image_key, self._sampling(it.row.generation), handle=it)
+        sampling = self._sampling(it.row.generation)
+        return Request(ids, p.pixel_values, p.image_key, sampling, handle=it, images=p.images)
 
     def _sampling(self, own: dict | None) -> Sampling:
         """The job's sampling with the row's own settings; ValueError (the row's error) for a bad value."""
@@ -490,6 +491,7 @@ class Pipeline:
         )
 
 
-def write_rows(writer: PartWriter | None) -> Callable[[dict], None]:
-    """The writer's add, or a no-op for ranks that do not write (tensor-parallel followers)."""
-    return writer.add if writer is not None else (lambda row: None)
+def write_rows(writer: PartWriter | None, run: int = 0) -> Callable[[dict], None]:
+    """The writer's add, each row stamped with the output dir's `run` number, or a no-op for ranks that do not
+    write (tensor-parallel followers)."""
+    return (lambda row: writer.add(row | {"run": run})) if writer is not None else (lambda row: None)

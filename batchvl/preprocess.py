@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
-IMAGE_PLACEHOLDER = "<image>"  # InternVL chat(): the first one in a question marks where the image goes
+IMAGE_PLACEHOLDER = "<image>"  # InternVL chat(): each one in a question marks where the next image goes
 
 # name -> (system template, default system message, user role, assistant role, separator); InternVL MPT style
 TEMPLATES: dict[str, tuple[str, str, str, str, str]] = {
@@ -209,23 +209,40 @@ def to_pixel_values(
 # ---------------------------------------------------------------- prompt
 
 
+def with_placeholders(question: str, num_images: int) -> str:
+    """The question with one '<image>' per image: as written, or prefixed as InternVL does (one image:
+    '<image>\\n', several: 'Image-1: <image>\\nImage-2: <image>\\n'); ValueError if the counts differ."""
+    found = question.count(IMAGE_PLACEHOLDER)
+    if found == 0 and num_images == 1:
+        return IMAGE_PLACEHOLDER + "\n" + question
+    if found == 0 and num_images > 1:
+        return "".join(f"Image-{i + 1}: {IMAGE_PLACEHOLDER}\n" for i in range(num_images)) + question
+    if found != num_images:
+        raise ValueError(f"the prompt has {found} {IMAGE_PLACEHOLDER} placeholder(s) but the row has "
+                         f"{num_images} image{'s' if num_images > 1 else ''}")  # fmt: skip
+    return question
+
+
 def build_prompt(
     question: str,
-    num_tiles: int,
+    num_tiles: int | list[int],
     num_image_token: int = 256,
     template: str = "internvl2_5",
     system_message: str | None = None,
 ) -> str:
-    """The InternVL chat() query; the image block replaces the first '<image>' or is prepended with a newline."""
+    """The InternVL chat() query: each image's block (`num_tiles`: per image, or one image's) replaces the next
+    '<image>', or the blocks are prefixed (see with_placeholders); no images: the question as it is."""
     if template not in TEMPLATES:
         raise ValueError(f"unknown template {template!r}; known: {sorted(TEMPLATES)}")
     sys_tpl, default_sys, user, assistant, sep = TEMPLATES[template]
     system = default_sys if system_message is None else system_message
-    if num_tiles > 0:
-        if IMAGE_PLACEHOLDER not in question:
-            question = IMAGE_PLACEHOLDER + "\n" + question
-        block = IMG_START + IMG_CONTEXT * (num_image_token * num_tiles) + IMG_END
-        question = question.replace(IMAGE_PLACEHOLDER, block, 1)
+    tiles = [num_tiles] if isinstance(num_tiles, int) else list(num_tiles)
+    tiles = [t for t in tiles if t > 0]
+    if tiles:
+        question = with_placeholders(question, len(tiles))
+        for t in tiles:
+            block = IMG_START + IMG_CONTEXT * (num_image_token * t) + IMG_END
+            question = question.replace(IMAGE_PLACEHOLDER, block, 1)
     return sys_tpl.format(system_message=system) + sep + user + question + sep + assistant
 
 
@@ -246,10 +263,15 @@ class PreprocessConfig:
     max_input_tokens: int = 32768
     overlong: str = "error"  # or "truncate": cut the question's text tokens, never image tokens
     max_image_pixels: int = 100_000_000
+    max_tiles_per_row: int | None = (
+        None  # a row's images share it: each gets at most max_tiles_per_row // images
+    )
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_tiles <= self.max_tiles:
             raise ValueError(f"need 1 <= min_tiles <= max_tiles, got {self.min_tiles}, {self.max_tiles}")
+        if self.max_tiles_per_row is not None and self.max_tiles_per_row < 1:
+            raise ValueError(f"max_tiles_per_row must be >= 1, got {self.max_tiles_per_row}")
         if min(self.image_size, self.num_image_token, self.max_input_tokens, self.max_image_pixels) < 1:
             raise ValueError("image_size, num_image_token, max_input_tokens, max_image_pixels must be >= 1")
         if self.overlong not in ("error", "truncate"):
@@ -267,7 +289,8 @@ class Prepared:
     num_tiles: int
     num_image_tokens: int
     num_text_tokens: int
-    image_key: str | None
+    image_key: str | None  # the row's images together (one image: its own key)
+    images: tuple[tuple[str, int], ...] = ()  # (content key, tiles) of each image, in prompt order
 
 
 class Preprocessor:
@@ -300,26 +323,31 @@ class Preprocessor:
             self._tok = tok
         return self._tok
 
-    def _encode(self, question: str, num_tiles: int) -> list[int]:
-        """Token ids of the full prompt; the image block is tokenized with one context token, then expanded."""
+    def _encode(self, question: str, tiles: list[int]) -> list[int]:
+        """Token ids of the full prompt; each image block is tokenized with one context token, then expanded."""
         c = self.cfg
-        text = build_prompt(question, min(num_tiles, 1), 1, c.template, c.system_message)
+        text = build_prompt(question, [1] * len(tiles), 1, c.template, c.system_message)
         ids = list(self.tokenizer(text)["input_ids"])
-        if num_tiles:
-            at = ids.index(self._ctx_id)
-            ids[at : at + 1] = [self._ctx_id] * (c.num_image_token * num_tiles)
+        where = [i for i, t in enumerate(ids) if t == self._ctx_id]
+        for at, t in zip(
+            reversed(where), reversed(tiles), strict=True
+        ):  # from the end: earlier places stay put
+            ids[at : at + 1] = [self._ctx_id] * (c.num_image_token * t)
         return ids
 
-    def _truncate(self, question: str, num_tiles: int, total: int) -> list[int]:
-        """Cut the question's tail (whole tokens) until the prompt fits max_input_tokens."""
+    def _truncate(self, question: str, tiles: list[int], total: int) -> list[int]:
+        """Cut the question's tail after its last image (whole tokens) until the prompt fits max_input_tokens."""
         tok, limit = self.tokenizer, self.cfg.max_input_tokens
-        q_ids = tok(question, add_special_tokens=False)["input_ids"]
+        if tiles:
+            question = with_placeholders(question, len(tiles))
+        head, mark, tail = question.rpartition(IMAGE_PLACEHOLDER)
+        q_ids = tok(tail, add_special_tokens=False)["input_ids"]
         keep = len(q_ids) - (total - limit)
         for _ in range(16):
             if keep < 1:
                 break
             text = tok.decode(q_ids[:keep], skip_special_tokens=False).rstrip("\ufffd")
-            ids = self._encode(text, num_tiles) if text.strip() else []
+            ids = self._encode(head + mark + text, tiles) if text.strip() else []
             if ids and len(ids) <= limit:
                 return ids
             keep -= max(1, len(ids) - limit)
@@ -328,8 +356,48 @@ class Preprocessor:
             f"(image and template tokens alone are about {total - len(q_ids)})"
         )
 
-    def __call__(self, prompt: str, image: str | bytes | Image.Image | None) -> Prepared:
-        """Prepare one row; raises PreprocessError with the reason for a bad row."""
+    def _pixels(self, image: Any, max_tiles: int) -> tuple[torch.Tensor, str]:
+        """One image's tiles and its content key (the encoded file, or the pixels, and the tiling)."""
+        c = self.cfg
+        data, img = _read_source(image)
+        img = _decode(img, c.max_image_pixels)
+        min_tiles = min(c.min_tiles, max_tiles)
+        pixel_values = to_pixel_values(img, min_tiles, max_tiles, c.image_size, c.use_thumbnail)
+        h = hashlib.blake2b(digest_size=16)
+        h.update(f"{c.image_size},{min_tiles},{max_tiles},{int(c.use_thumbnail)};".encode())
+        if data is not None:
+            h.update(b"file;")
+            h.update(data)
+        else:
+            h.update(f"pixels;{img.width}x{img.height};".encode())
+            h.update(img.tobytes())
+        return pixel_values, h.hexdigest()
+
+    def _images(self, image: Any) -> tuple[torch.Tensor | None, tuple[tuple[str, int], ...]]:
+        """All images' tiles, concatenated in order, and each image's (key, tiles)."""
+        images = list(image) if isinstance(image, (list, tuple)) else [] if image is None else [image]
+        if not images:
+            return None, ()
+        c, n = self.cfg, len(images)
+        max_tiles = c.max_tiles if c.max_tiles_per_row is None else min(c.max_tiles, c.max_tiles_per_row // n)
+        if max_tiles < 1:
+            raise PreprocessError(f"{n} images but max_tiles_per_row={c.max_tiles_per_row}: "
+                                  "not one tile for each")  # fmt: skip
+        tiles, keys = [], []
+        for i, src in enumerate(images):
+            if src is None or (isinstance(src, str) and not src.strip()):
+                raise PreprocessError(f"image {i + 1} of {n} is empty")
+            try:
+                pv, key = self._pixels(src, max_tiles)
+            except PreprocessError as e:
+                raise PreprocessError(f"image {i + 1} of {n}: {e}" if n > 1 else str(e)) from None
+            tiles.append(pv)
+            keys.append((key, int(pv.shape[0])))
+        return (tiles[0] if n == 1 else torch.cat(tiles)), tuple(keys)
+
+    def __call__(self, prompt: str, image: Any) -> Prepared:
+        """Prepare one row (`image`: a path, bytes, a PIL image, a list of them, or None); raises PreprocessError
+        with the reason for a bad row."""
         c = self.cfg
         if prompt is not None and not isinstance(prompt, str):
             raise PreprocessError(f"prompt is not text: {type(prompt).__name__}")
@@ -339,29 +407,25 @@ class Preprocessor:
             raise PreprocessError(f"prompt contains the reserved image token {IMG_CONTEXT}")
         if isinstance(image, str) and not image.strip():
             image = None  # an empty path column means a text-only row
-        pixel_values, num_tiles, key = None, 0, None
-        if image is not None:
-            data, img = _read_source(image)
-            img = _decode(img, c.max_image_pixels)
-            pixel_values = to_pixel_values(img, c.min_tiles, c.max_tiles, c.image_size, c.use_thumbnail)
-            num_tiles = int(pixel_values.shape[0])
-            h = hashlib.blake2b(digest_size=16)
-            h.update(f"{c.image_size},{c.min_tiles},{c.max_tiles},{int(c.use_thumbnail)};".encode())
-            if data is not None:
-                h.update(b"file;")
-                h.update(data)
-            else:
-                h.update(f"pixels;{img.width}x{img.height};".encode())
-                h.update(img.tobytes())
-            key = h.hexdigest()
-        ids = self._encode(prompt, num_tiles)
+        pixel_values, images = self._images(image)
+        try:
+            prompt = with_placeholders(prompt, len(images)) if images else prompt
+        except ValueError as e:
+            raise PreprocessError(str(e)) from None
+        tiles = [t for _, t in images]
+        ids = self._encode(prompt, tiles)
+        n_img = c.num_image_token * sum(tiles)
         if len(ids) > c.max_input_tokens:
-            n_img = c.num_image_token * num_tiles
             if c.overlong != "truncate":
                 raise PreprocessError(
                     f"prompt has {len(ids)} tokens ({n_img} image + {len(ids) - n_img} text) "
                     f"> max_input_tokens={c.max_input_tokens}"
                 )
-            ids = self._truncate(prompt, num_tiles, len(ids))
-        n_img = c.num_image_token * num_tiles
-        return Prepared(ids, pixel_values, num_tiles, n_img, len(ids) - n_img, key)
+            ids = self._truncate(prompt, tiles, len(ids))
+        key = None if not images else images[0][0] if len(images) == 1 else _joint_key(images)
+        return Prepared(ids, pixel_values, sum(tiles), n_img, len(ids) - n_img, key, images)
+
+
+def _joint_key(images: tuple[tuple[str, int], ...]) -> str:
+    """A row's key for several images: the hash of theirs, in order."""
+    return hashlib.blake2b(";".join(k for k, _ in images).encode(), digest_size=16).hexdigest()

@@ -1,6 +1,6 @@
 """Run a job: `python -m batchvl.runner JOB.yaml [--set key=value ...] [--overwrite]`; torchrun for replicas.
 
-Also the `batchvl` console script: `batchvl run JOB.yaml`, `batchvl report RUN_DIR`.
+The same commands as the `batchvl` console script: `run JOB.yaml` (the default) and `report RUN_DIR`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from importlib import metadata
 from typing import Any
 
@@ -31,13 +31,13 @@ from batchvl.output import (
     fingerprint,
     format_summary,
     read_manifest,
-    read_rows,
-    summarize,
+    run_summary,
     write_manifest,
     write_summary,
 )
 from batchvl.pipeline import Flow, Pipeline, Preparer, write_rows
 from batchvl.preprocess import PreprocessConfig, Preprocessor
+from batchvl.report import report_cmd
 from batchvl.tokenizer import image_token_ids, load_tokenizer
 
 log = logging.getLogger("batchvl.runner")
@@ -104,6 +104,7 @@ def preprocess_config(job: Job, cfg: InternVLConfig) -> PreprocessConfig:
         max_input_tokens=p.max_input_tokens,
         overlong=p.overlong,
         max_image_pixels=p.max_image_pixels,
+        max_tiles_per_row=p.max_tiles_per_row,
     )
 
 
@@ -133,12 +134,13 @@ def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
-def _resume_decision(job: Job, ctx: dist.DistContext, job_fp: str, model_fp: str) -> str:
+def _resume_decision(job: Job, ctx: dist.DistContext, job_fp: str, model_fp: str, model: dict) -> str:
     """Rank 0 decides fresh/resume/overwrite (and deletes on overwrite); every rank gets the answer."""
     answer: tuple[str, str] = ("ok", "")
     if ctx.is_main:
         try:
-            answer = ("ok", check_resume(job.output.dir, job_fp, model_fp, job.output.overwrite))
+            answer = ("ok", check_resume(job.output.dir, job_fp, model_fp, job.output.overwrite,
+                                         job_for_fingerprint(job), model))  # fmt: skip
         except ResumeError as e:
             answer = ("error", str(e))
     kind, value = dist.broadcast_object(ctx, answer)
@@ -148,10 +150,18 @@ def _resume_decision(job: Job, ctx: dist.DistContext, job_fp: str, model_fp: str
 
 
 def run_job(
-    job: Job, ctx: dist.DistContext | None = None, engine_factory: Callable = build_engine
+    job: Job,
+    ctx: dist.DistContext | None = None,
+    engine_factory: Callable = build_engine,
+    rows: Iterable[dict] | None = None,
 ) -> dict | None:
-    """Run `job` on this rank; rank 0 returns the summary of all rows in the output dir."""
+    """Run `job` on this rank; rank 0 returns the summary of all rows in the output dir. `rows`: the rows of a job
+    with data.format 'rows', dicts like a jsonl source's ({id, prompt, image}), images as paths, bytes or PIL
+    images (a list of them for several)."""
     ctx = ctx or dist.DistContext()
+    if (rows is not None) != (job.data.format == "rows"):
+        raise JobError("job.data.format: 'rows' and run_job(job, rows=[...]) go together; got format "
+                       f"{job.data.format!r} and {'no ' if rows is None else ''}rows")  # fmt: skip
     m, out = job.model, job.output.dir
     if m.tp != ctx.tp:
         raise JobError(f"job.model.tp: {m.tp} but the process groups were built for tp={ctx.tp}")
@@ -160,7 +170,8 @@ def run_job(
     cfg = model_config(job)
     check_source(job.data)
     job_fp, model_fp = fingerprint(job_for_fingerprint(job)), model_fingerprint(job, cfg, dtype)
-    decision = _resume_decision(job, ctx, job_fp, model_fp)
+    model_desc = {"config": config_to_dict(cfg), "dtype": str(dtype)}
+    decision = _resume_decision(job, ctx, job_fp, model_fp, model_desc)
     tok_path = m.tokenizer or m.path  # neither (a preset): the stand-in tokenizer of the preset's LLM
     tokenizer = load_tokenizer(tok_path, m.trust_remote_code, cfg.llm.arch)
     ctx_id = image_token_ids(tokenizer)["img_context"]
@@ -186,7 +197,10 @@ def run_job(
         "status": "running",
         "decision": decision,
         "runs": previous.get("runs", []),
+        # this run's number (its rows' `run`), counting runs that died before recording themselves in `runs`
+        "runs_started": previous.get("runs_started", len(previous.get("runs", []))) + 1,
     }
+    run_number = manifest["runs_started"] - 1
     if ctx.is_main:
         write_manifest(out, manifest)
     p = job.preprocess
@@ -223,7 +237,7 @@ def run_job(
         )
         done = done_ids(out) if decision == "resume" else set()
         writer = PartWriter(out, ctx.rank, job.output.rows_per_part) if ctx.is_writer else None
-        total = count_rows(job.data)
+        total = count_rows(job.data, rows)
         shard_total = None if total is None else -(-total // ctx.num_replicas)
         prep.wait_warm()
         dist.barrier(ctx)
@@ -232,8 +246,8 @@ def run_job(
         with tqdm(
             total=shard_total, desc=desc, unit="row", disable=not ctx.is_main, dynamic_ncols=True
         ) as bar:
-            counts = Pipeline(flow, write_rows(writer), t0, bar).run(
-                iter_rows(job.data, ctx.replica, ctx.num_replicas), done, prep
+            counts = Pipeline(flow, write_rows(writer, run_number), t0, bar).run(
+                iter_rows(job.data, ctx.replica, ctx.num_replicas, rows), done, prep
             )
         if writer is not None:
             writer.close()
@@ -259,6 +273,7 @@ def run_job(
         return None
     runs = manifest["runs"] + [
         {
+            "run": run_number,
             "started_at": manifest["started_at"],
             "ended_at": _now(),
             "duration_s": duration,
@@ -268,23 +283,12 @@ def run_job(
             "counts": all_counts,
         }
     ]
-    summary = summarize(read_rows(out), sum(r["duration_s"] for r in runs)) | startup(runs[-1])
+    final = manifest | {"ended_at": runs[-1]["ended_at"], "status": "done", "runs": runs}
+    summary = run_summary(out, final)
     write_summary(out, summary)
-    write_manifest(out, manifest | {"ended_at": runs[-1]["ended_at"], "status": "done", "runs": runs})
+    write_manifest(out, final)
     click.echo(format_summary(summary))
     return summary
-
-
-def startup(run: dict) -> dict:
-    """This run's start-up seconds (model ready, decode graphs, the ViT's compiles during the job) and the mean
-    number of sequences each decode step carried."""
-    counts = run["counts"]
-    steps = sum(c.get("decode_steps", 0) for c in counts)
-    out = {"load_s": run["load_s"], "warm_up_s": run.get("warm_up_s", 0.0),
-           "vit_compile_s": max((c.get("vit_compile_s", 0.0) for c in counts), default=0.0)}  # fmt: skip
-    if steps:
-        out["mean_active_rows"] = sum(c.get("decode_rows", 0) for c in counts) / steps
-    return out
 
 
 def _sampling(g: Any) -> Any:
@@ -343,23 +347,26 @@ def main(job_file: str, sets: tuple[str, ...], overwrite: bool) -> None:
     run_file(job_file, sets, overwrite)
 
 
-@click.group()
+class _Commands(click.Group):
+    """The commands; arguments that start with no command name run a job (`python -m batchvl.runner JOB.yaml`)."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if args and args[0] not in self.commands and args[0] not in ("--help", "--version"):
+            args = ["run", *args]
+        return super().parse_args(ctx, args)
+
+
+@click.group(cls=_Commands)
+@click.version_option(package_name="batchvl", message="batchvl %(version)s")
 def cli() -> None:
-    """batchvl: batch offline inference for InternVL2.5."""
+    """batchvl: batch offline inference for InternVL2.5. `JOB_FILE` alone means `run JOB_FILE`."""
 
 
 cli.add_command(main)  # `batchvl run JOB_FILE` is `python -m batchvl.runner JOB_FILE`
 
 
-@cli.command("report")
-@click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
-@click.option("--no-plots", is_flag=True, help="Tables only, no PNG plots.")
-def report_cmd(run_dir: str, no_plots: bool) -> None:
-    """Print the report of a finished run (and write its plots)."""
-    from batchvl.report import report
-
-    click.echo(report(run_dir, plots=not no_plots))
+cli.add_command(report_cmd)  # `batchvl report RUN_DIR`, also `python -m batchvl.report RUN_DIR`
 
 
 if __name__ == "__main__":
-    main()
+    cli(prog_name="python -m batchvl.runner")

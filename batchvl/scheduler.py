@@ -2,7 +2,7 @@
 
 A batch takes rows in arrival order while
 - its prompt tokens not served by the prefix cache stay within `max_prefill_tokens`,
-- its tiles that miss the image cache (each distinct image once) stay within `max_vit_tiles`,
+- its tiles that need the ViT (each distinct image once) stay within `max_vit_tiles`,
 - the engine has a free row and the KV blocks for each (prompt and every new token, less shared prefix blocks).
 A single row over a budget runs alone. Rows that do not fit wait for sequences in flight to retire.
 """
@@ -22,8 +22,12 @@ def next_batch(ready: deque, engine: Any, max_tokens: int, max_tiles: int) -> li
     for it in ready:
         r = it.request
         n = r.input_ids.shape[0] - engine.cached_tokens(r)
-        key = r.image_key or f"#{id(r)}"
-        t = r.pixel_values.shape[0] if engine.needs_vit(r) and key not in images else 0
+        own = (
+            {k or f"#{id(r)}.{j}": n for j, (k, _, n) in enumerate(r.image_units())}
+            if engine.needs_vit(r)
+            else {}
+        )
+        t = sum(n for k, n in own.items() if k not in images)
         b = engine.blocks_needed(r)
         if batch and (tokens + n > max_tokens or tiles + t > max_tiles):
             break
@@ -31,7 +35,7 @@ def next_batch(ready: deque, engine: Any, max_tokens: int, max_tiles: int) -> li
             break
         batch.append(it)
         tokens, tiles, blocks = tokens + n, tiles + t, blocks + b
-        images.add(key)
+        images.update(own)
         if tokens >= max_tokens or tiles >= max_tiles:
             break
     for _ in batch:

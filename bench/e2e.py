@@ -1,5 +1,5 @@
-"""The seed job as a user runs it: `python -m batchvl.runner JOB --set ...` (a subprocess), its summary.json and
-manifest.json read back (req/s, output tok/s, TTFT, load time, peak memory) and its rows for MFU against a bf16
+"""The seed job as a user runs it: `python -m batchvl.runner JOB --set ...` (a subprocess), its _summary.json and
+_manifest.json read back (req/s, output tok/s, TTFT, load time, peak memory) and its rows for MFU against a bf16
 matmul ceiling timed here; then transformers' generate on the same random weights and the runner's own prompts,
 in this process on the same machine start, and greedy-token agreement between the two.
 
@@ -86,10 +86,10 @@ def run_runner(repo: Path, job: str, sets: list[str], out: Path) -> dict:
     p = subprocess.run(cmd, cwd=repo, env=env)  # cwd: `-m` puts it first on sys.path
     if p.returncode:
         raise SystemExit(f"the runner failed (exit {p.returncode})")
-    run = json.loads((out / "manifest.json").read_text())["runs"][-1]
+    run = json.loads((out / "_manifest.json").read_text())["runs"][-1]
     rows = read_rows(out)
     rows = rows.filter(pc.is_null(rows.column("error"))).to_pylist()
-    return {"summary": json.loads((out / "summary.json").read_text()), "run": run, "rows": rows}
+    return {"summary": json.loads((out / "_summary.json").read_text()), "run": run, "rows": rows}
 
 
 def run_hf(hf, prompts: list[list[int]], tiles: torch.Tensor, batch: int, new_tokens: int):

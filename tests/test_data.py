@@ -33,7 +33,7 @@ def jsonl(tmp_path: Path) -> Path:
 
 
 def test_jsonl_rows_ids_and_relative_images(jsonl):
-    got = rows(DataSpec(format="jsonl", path=str(jsonl)))
+    got = rows(DataSpec(format="jsonl", path=str(jsonl), allow_text_only=True))
     assert [(r.index, r.id, r.prompt) for r in got] == [
         (0, "a", "first"), (1, "7", "numeric id"), (2, "2", "no id"), (3, "d", "fourth")
     ]  # fmt: skip
@@ -140,7 +140,7 @@ def test_imagefolder_ids_are_relative_paths(tmp_path):
 
 
 def test_demo_rows():
-    got = rows(DataSpec(format="demo"))
+    got = rows(DataSpec(format="demo", allow_text_only=True))
     assert len(got) == 8 and len({r.id for r in got}) == 8
     assert sum(r.image is None for r in got) == 1 and all(r.prompt for r in got)
 
@@ -173,7 +173,7 @@ def test_limit_applies_to_the_whole_job_before_sharding(tmp_path):
 
 
 def test_duplicates_after_the_first_become_errors_on_every_sharding(tmp_path):
-    spec = DataSpec(format="jsonl", path=str(_many(tmp_path, 30, dup_every=5)))
+    spec = DataSpec(format="jsonl", path=str(_many(tmp_path, 30, dup_every=5)), allow_text_only=True)
     for n in (1, 2, 3):
         got = [r for s in range(n) for r in rows(spec, s, n)]
         errs = sorted(r.index for r in got if r.error)
@@ -181,3 +181,78 @@ def test_duplicates_after_the_first_become_errors_on_every_sharding(tmp_path):
         assert all(r.error == "duplicate id" for r in got if r.error)
         ok_ids = [r.id for r in got if not r.error]
         assert len(ok_ids) == len(set(ok_ids)) == 25
+
+
+def test_a_field_the_source_lacks_is_named_before_any_row_runs(tmp_path):
+    p = tmp_path / "rows.jsonl"
+    p.write_text(json.dumps({"id": "a", "prompt": "q", "image_path": "a.png"}) + "\n")
+    with pytest.raises(
+        JobError,
+        match=r"^job\.data\.image_field: .* has no column 'image' \(did you mean "
+        r"'image_path'\?\); its columns are id, prompt, image_path\. Set data\.image_field",
+    ):
+        check_source(DataSpec(format="jsonl", path=str(p)))
+    check_source(DataSpec(format="jsonl", path=str(p), image_field="image_path"))
+    check_source(
+        DataSpec(format="jsonl", path=str(p), allow_text_only=True)
+    )  # text-only: no image column needed
+    check_source(DataSpec(format="jsonl", path=str(p), image="/x.png"))  # one image for every row
+    with pytest.raises(JobError, match=r"^job\.data\.id_field: .* no column 'qid'"):
+        check_source(DataSpec(format="jsonl", path=str(p), id_field="qid", image_field="image_path"))
+    sg = tmp_path / "sg.json"
+    sg.write_text(json.dumps([{"id": "c", "turns": []}]))
+    with pytest.raises(
+        JobError, match="sharegpt rows need a 'conversations' or 'messages' column; .* has id, turns"
+    ):
+        check_source(DataSpec(format="sharegpt", path=str(sg), image="/x.png"))
+
+
+def test_hf_dataset_with_other_column_names_is_refused_naming_them(tmp_path):
+    import datasets
+
+    datasets.Dataset.from_dict({"question": ["a"] * 17, "picture": [None] * 17}).save_to_disk(
+        str(tmp_path / "d")
+    )
+    with pytest.raises(
+        JobError,
+        match=r"^job\.data\.prompt_field: .* no column 'prompt'; its columns are "
+        r"question, picture\. Set data\.prompt_field to the column to use, or data\.prompt",
+    ):
+        check_source(DataSpec(format="hf", path=str(tmp_path / "d")))
+    ok = DataSpec(format="hf", path=str(tmp_path / "d"), prompt_field="question", image_field="picture")
+    check_source(ok)
+    got = rows(ok)
+    assert len(got) == 17 and all(r.prompt == "a" and r.error.startswith("no image") for r in got)
+
+
+def test_a_row_without_an_image_fails_unless_text_only_rows_are_allowed(jsonl):
+    spec = DataSpec(format="jsonl", path=str(jsonl))
+    errors = {r.id: r.error for r in rows(spec)}
+    assert errors["a"] is None and errors["2"] is None  # (2: an image path, checked when it is read)
+    for rid in ("7", "d"):  # no image field, an empty one
+        assert errors[rid] == (
+            "no image (field 'image' is empty); set data.allow_text_only: true to run rows "
+            "without an image as text-only"
+        )
+    spec.allow_text_only = True
+    assert all(r.error is None for r in rows(spec))
+
+
+def test_several_images_per_row(tmp_path):
+    png = save_image(tmp_path / "x.png").read_bytes()
+    p = tmp_path / "rows.jsonl"
+    recs = [{"id": "two", "prompt": "q", "image": ["a.png", "/abs/b.png"]}, {"id": "one", "prompt": "q", "image": ["a.png"]},
+            {"id": "none", "prompt": "q", "image": []}]  # fmt: skip
+    p.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    got = rows(DataSpec(format="jsonl", path=str(p)))
+    assert got[0].image == [str(tmp_path / "a.png"), "/abs/b.png"] and got[1].image == str(tmp_path / "a.png")
+    assert got[2].image is None and got[2].error.startswith("no image")
+    import datasets
+
+    feats = datasets.Features({"prompt": datasets.Value("string"), "image": [datasets.Image()]})
+    ds = datasets.Dataset.from_dict(
+        {"prompt": ["q"], "image": [[{"bytes": png, "path": None}] * 3]}, features=feats
+    )
+    ds.save_to_disk(str(tmp_path / "hf"))
+    (row,) = rows(DataSpec(format="hf", path=str(tmp_path / "hf")))
+    assert row.image == [png] * 3

@@ -152,7 +152,7 @@ def test_failed_write_leaves_no_part_and_no_temp(tmp_path, monkeypatch):
 def test_read_rows_ignores_temp_and_other_files(tmp_path):
     _write(tmp_path, 0, ["a", "b"])
     (tmp_path / ".part-00000-000001.parquet.123.tmp").write_bytes(b"partial garbage")
-    (tmp_path / "manifest.json").write_text("{}")
+    (tmp_path / "_manifest.json").write_text("{}")
     assert sorted(read_rows(tmp_path).column("id").to_pylist()) == ["a", "b"]
     PartWriter(tmp_path, rank=0)  # a new writer of rank 0 removes its stale temp files
     assert not list(tmp_path.glob(".*.tmp"))
@@ -187,7 +187,7 @@ def test_manifest_roundtrip(tmp_path):
     assert read_manifest(tmp_path) == m
     write_manifest(tmp_path, {**m, "ended_at": "later"})
     assert read_manifest(tmp_path)["ended_at"] == "later"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["_manifest.json"]
 
 
 def test_check_resume(tmp_path):
@@ -195,21 +195,85 @@ def test_check_resume(tmp_path):
     write_manifest(tmp_path, {"job_fingerprint": "j1", "model_fingerprint": "m1"})
     _write(tmp_path, 0, ["a", "b"])
     assert check_resume(tmp_path, "j1", "m1", overwrite=False) == "resume"
-    with pytest.raises(ResumeError, match="job_fingerprint.*j1.*j2"):
+    with pytest.raises(ResumeError, match="job fingerprint j1 -> j2. Pass --overwrite"):
         check_resume(tmp_path, "j2", "m1", overwrite=False)
-    with pytest.raises(ResumeError, match="model_fingerprint"):
+    with pytest.raises(ResumeError, match="model fingerprint m1 -> m2"):
         check_resume(tmp_path, "j1", "m2", overwrite=False)
     assert done_ids(tmp_path) == {"a", "b"}  # a refused resume deletes nothing
     (tmp_path / "keep.txt").write_text("not ours")
     assert check_resume(tmp_path, "j2", "m2", overwrite=True) == "overwrite"
     assert read_manifest(tmp_path) is None and done_ids(tmp_path) == set()
     assert (tmp_path / "keep.txt").exists()
-    assert check_resume(tmp_path, "j2", "m2", overwrite=False) == "fresh"
+    with pytest.raises(ResumeError, match="not a batchvl run dir"):  # what is left is not a run's
+        check_resume(tmp_path, "j2", "m2", overwrite=False)
+
+
+def test_a_changed_job_is_refused_naming_the_keys_and_the_flag(tmp_path):
+    job = {"data": {"limit": 50, "path": "/d.jsonl"}, "generation": {"max_new_tokens": 4}}
+    model = {"config": {"llm": {"hidden_size": 64}}, "dtype": "torch.float32"}
+    write_manifest(tmp_path, {"job_fingerprint": "j1", "model_fingerprint": "m1", "job": job | {"x": 1},
+                              "model": model | {"device": "cpu"}})  # fmt: skip
+    new_job = {"data": {"limit": 100, "path": "/d.jsonl"}, "generation": {"max_new_tokens": 4}}
+    new_model = {"config": {"llm": {"hidden_size": 64}}, "dtype": "torch.bfloat16"}
+    with pytest.raises(ResumeError) as e:
+        check_resume(tmp_path, "j2", "m2", False, new_job, new_model)
+    assert (
+        "holds results of a different job; changed since: job.data.limit: 50 -> 100; model.dtype: "
+        "'torch.float32' -> 'torch.bfloat16'. Pass --overwrite to delete those results"
+    ) in str(e.value)
+
+
+def test_a_folder_of_other_files_is_refused_and_overwrite_deletes_only_ours(tmp_path):
+    for name in ("a.jpg", "b.jpg", "notes.txt"):
+        (tmp_path / name).write_bytes(b"x")
+    (tmp_path / ".DS_Store").write_bytes(b"")
+    with pytest.raises(
+        ResumeError,
+        match=r"is not a batchvl run dir and is not empty \(3 entries: a.jpg, b.jpg, "
+        r"notes.txt\); choose a new or empty output.dir, or pass --overwrite",
+    ):
+        check_resume(tmp_path, "j", "m", overwrite=False)
+    assert check_resume(tmp_path, "j", "m", overwrite=True) == "fresh"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / ".hidden").write_bytes(b"")
+    assert check_resume(empty, "j", "m", overwrite=False) == "fresh"
+    _write(tmp_path, 0, ["r"])
+    write_manifest(tmp_path, {"job_fingerprint": "j", "model_fingerprint": "m"})
+    (tmp_path / "_report").mkdir()
+    (tmp_path / "_report" / "stages.png").write_bytes(b"png")
+    assert check_resume(tmp_path, "j", "m", overwrite=True) == "overwrite"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".DS_Store", "_report", "a.jpg", "b.jpg", "empty",
+                                                          "notes.txt"]  # fmt: skip
+
+
+def test_an_older_layout_is_upgraded_and_read_as_a_dataset(tmp_path):
+    import pandas as pd
+    import pyarrow.dataset as pads
+
+    _write(tmp_path, 0, ["a", "b"])
+    (tmp_path / "manifest.json").write_text(json.dumps({"job_fingerprint": "j", "model_fingerprint": "m"}))
+    (tmp_path / "summary.txt").write_text("old")
+    (tmp_path / "report").mkdir()
+    (tmp_path / "report" / "stages.png").write_bytes(b"png")
+    assert check_resume(tmp_path, "j", "m", overwrite=False) == "resume"
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("part-")) == [
+        "_manifest.json", "_report", "_summary.txt"
+    ]  # fmt: skip
+    (tmp_path / ".part-00000-000001.parquet.9.tmp").write_bytes(b"partial")
+    assert sorted(pd.read_parquet(tmp_path)["id"]) == ["a", "b"]
+    assert pads.dataset(tmp_path).to_table().num_rows == 2
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "manifest.json").write_text("{}")  # not batchvl's: left alone
+    with pytest.raises(ResumeError, match="not a batchvl run dir"):
+        check_resume(other, "j", "m", overwrite=False)
+    assert (other / "manifest.json").exists()
 
 
 def test_check_resume_parts_without_manifest(tmp_path):
     _write(tmp_path, 0, ["a"])
-    with pytest.raises(ResumeError, match="no manifest"):
+    with pytest.raises(ResumeError, match="no _manifest.json"):
         check_resume(tmp_path, "j", "m", overwrite=False)
     assert check_resume(tmp_path, "j", "m", overwrite=True) == "overwrite"
     assert not list(tmp_path.glob("part-*"))
@@ -316,8 +380,8 @@ def test_format_and_write_summary(tmp_path):
     assert re.search(r"^P99 E2EL \(ms\):\s+882\.00$", text, re.M)
     assert all(len(ln) <= 51 for ln in lines)
     write_summary(tmp_path, s)
-    assert json.loads((tmp_path / "summary.json").read_text()) == s
-    assert (tmp_path / "summary.txt").read_text() == text + "\n"
+    assert json.loads((tmp_path / "_summary.json").read_text()) == s
+    assert (tmp_path / "_summary.txt").read_text() == text + "\n"
 
 
 def test_summarize_gpu_input_wait_counts_each_batch_once():

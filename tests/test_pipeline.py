@@ -58,7 +58,7 @@ def tokenizer():
 
 
 def _rows(jsonl: Path) -> list[SourceRow]:
-    rows = list(iter_rows(DataSpec(format="jsonl", path=str(jsonl))))
+    rows = list(iter_rows(DataSpec(format="jsonl", path=str(jsonl), allow_text_only=True)))
     img = str(jsonl.parent / "rgb.png")
     n = len(rows)
     return rows + [SourceRow(n, "boom", "xyzzy makes the engine fail", img),

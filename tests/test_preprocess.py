@@ -261,7 +261,12 @@ def test_build_prompt_exact():
     assert pp.build_prompt("Hi?", 0) == head + "Hi?" + tail
     block = "<img>" + IMG_CONTEXT * 6 + "</img>"
     assert pp.build_prompt("Hi?", 3, num_image_token=2) == head + block + "\nHi?" + tail
-    assert pp.build_prompt("A <image> B <image>", 3, 2) == head + "A " + block + " B <image>" + tail
+    with pytest.raises(ValueError, match="the prompt has 2 <image> placeholder.s. but the row has 1 image"):
+        pp.build_prompt("A <image> B <image>", 3, 2)  # (the second one once stayed in the prompt as text)
+    block1 = "<img>" + IMG_CONTEXT * 2 + "</img>"
+    assert pp.build_prompt("A <image> B <image>", [3, 1], 2) == head + "A " + block + " B " + block1 + tail
+    two = pp.build_prompt("Hi?", [3, 1], 2)  # InternVL's multi-image convention
+    assert two == head + "Image-1: " + block + "\nImage-2: " + block1 + "\nHi?" + tail
     assert pp.build_prompt("x <image>", 0) == head + "x <image>" + tail  # text-only: placeholder stays text
     assert pp.build_prompt("q", 0, system_message="").startswith(
         "<|im_start|>system\n<|im_end|>\n<|im_start|>user"

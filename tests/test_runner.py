@@ -61,7 +61,7 @@ def test_demo_job_end_to_end(demo_run):
     assert man["status"] == "done" and man["world_size"] == 1 and len(man["runs"]) == 1
     assert man["job_fingerprint"] and man["model_fingerprint"] and man["versions"]["torch"]
     # the summary, recomputed from the Parquet files
-    s = json.loads((out / "summary.json").read_text())
+    s = json.loads((out / "_summary.json").read_text())
     ok = list(rows.values())
     dur = man["runs"][0]["duration_s"]
     n_in = sum(r["num_text_tokens"] + r["num_image_tokens"] for r in ok)
@@ -73,10 +73,28 @@ def test_demo_job_end_to_end(demo_run):
     assert s["output_token_throughput"] == pytest.approx(n_out / dur)
     assert s["mean_e2e_ms"] == pytest.approx(np.mean([r["e2e_ms"] for r in ok]))
     assert s["p99_ttft_ms"] == pytest.approx(np.percentile([r["ttft_ms"] for r in ok], 99))
-    assert "Serving Benchmark Result" in stdout and (out / "summary.txt").read_text().strip() in stdout
+    assert "Serving Benchmark Result" in stdout and (out / "_summary.txt").read_text().strip() in stdout
     # the batchvl console script's report over the same run
     res = CliRunner().invoke(cli, ["report", str(out), "--no-plots"])
     assert res.exit_code == 0, res.output
+    assert (out / "_summary.txt").read_text().strip() in res.output  # the report's figures are the summary's
+    # ... and the same through `python -m`, both spellings; it says where its plots went
+    for args in (["-m", "batchvl.runner", "report"], ["-m", "batchvl.report"]):
+        p = subprocess.run(
+            [sys.executable, *args, str(out)], cwd=REPO, capture_output=True, text=True, timeout=300
+        )
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert (
+            f"wrote {out / '_report' / 'timeline.png'}" in p.stdout
+            and (out / "_report" / "stages.png").is_file()
+        )
+    # the run dir is a Parquet dataset as written: the manifest, summaries and plots are skipped
+    import pandas as pd
+    import pyarrow.dataset as pads
+
+    df = pd.read_parquet(out)
+    assert sorted(df["id"]) == DEMO_IDS and set(df["run"]) == {0}
+    assert pads.dataset(out).count_rows() == 8
 
 
 @pytest.mark.slow
@@ -152,7 +170,7 @@ def test_interrupted_run_resumes_without_losing_or_doubling(tmp_path):
     man = read_manifest(out)
     assert man["status"] == "done" and man["decision"] == "resume"
     assert man["runs"][-1]["counts"][0]["skipped"] == 4
-    assert json.loads((out / "summary.json").read_text())["successful_requests"] == 8
+    assert json.loads((out / "_summary.json").read_text())["successful_requests"] == 8
 
 
 @pytest.mark.slow
@@ -199,7 +217,8 @@ def test_rerun_resumes_and_a_different_job_is_refused(tmp_path):
         and sorted(p.name for p in Path(job.output.dir).glob("part-*")) == parts
     )
     changed = _small_job(tmp_path, "generation.max_new_tokens=2")
-    with pytest.raises(ResumeError, match="different job"):
+    with pytest.raises(ResumeError, match=r"different job; changed since: job\.generation\.max_new_tokens: 8 -> 2\. "
+                       "Pass --overwrite"):  # fmt: skip
         run_job(changed, engine_factory=fake_factory)
     over = _small_job(tmp_path, "generation.max_new_tokens=2", "output.overwrite=true")
     assert run_job(over, engine_factory=fake_factory)["successful_requests"] == 5
@@ -239,6 +258,61 @@ def test_cli_errors_name_the_key_and_exit_nonzero(tmp_path):
     assert r.exit_code == 2  # click: the job file does not exist
 
 
+def test_a_missing_column_or_a_foreign_output_dir_stops_the_job_before_it_starts(tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"id": "a", "prompt": "q", "image_path": "a.png"}) + "\n")
+    out = tmp_path / "out"
+    r = CliRunner().invoke(cli, ["jobs/demo.yaml", "--set", "data.format=jsonl", "--set", f"data.path={rows}",
+                                 "--set", "data.allow_text_only=false", "--set", f"output.dir={out}"])  # fmt: skip
+    assert (
+        r.exit_code == 1
+        and "job.data.image_field:" in r.output
+        and "its columns are id, prompt, image_path" in r.output
+    )
+    assert not out.exists()  # nothing ran, nothing was written
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    (photos / "cat.jpg").write_bytes(b"jpeg")
+    with pytest.raises(ResumeError, match="is not a batchvl run dir and is not empty"):
+        run_job(_small_job(tmp_path, f"output.dir={photos}"), engine_factory=fake_factory)
+    assert [p.name for p in photos.iterdir()] == ["cat.jpg"]
+
+
+def test_a_resumed_dir_counts_each_run_once(tmp_path):
+    """A run stopped after 2 rows, then resumed: each run's rows carry its number and the summary adds the runs'
+    own durations (the stopped run's from its rows' clock) instead of dividing every row by the last run's time."""
+
+    class StopsAtThirdBatch(FakeEngine):
+        admitted = 0
+
+        def admit(self, requests):
+            StopsAtThirdBatch.admitted += 1
+            if StopsAtThirdBatch.admitted == 3:
+                raise KeyboardInterrupt  # as Ctrl-C would, mid-job
+            return super().admit(requests)
+
+    def one_row_batches(*args, **kwargs):
+        eng = StopsAtThirdBatch()
+        eng.max_prefill_tokens = 1
+        return eng
+
+    job = _small_job(tmp_path, "generation.max_new_tokens=1", "output.rows_per_part=1")
+    with pytest.raises(BaseException):  # noqa: B017 - however an interrupt surfaces, the job stops
+        run_job(job, engine_factory=one_row_batches)
+    assert sorted(r["run"] for r in read_rows(job.output.dir).to_pylist()) == [0, 0]
+    s = run_job(job, engine_factory=one_row_batches)
+    rows = read_rows(job.output.dir).to_pylist()
+    assert sorted(r["run"] for r in rows) == [0, 0, 1, 1, 1]
+    last = read_manifest(job.output.dir)["runs"][-1]
+    assert last["run"] == 1 and [(x["run"], x["rows"]) for x in s["runs"]] == [(0, 2), (1, 3)]
+    died = max(r["t_done_s"] for r in rows if r["run"] == 0)
+    assert (
+        s["runs"][0]["duration_s"] == pytest.approx(died) and s["runs"][1]["duration_s"] == last["duration_s"]
+    )
+    assert s["benchmark_duration_s"] == pytest.approx(died + last["duration_s"])
+    assert s["request_throughput"] == pytest.approx(5 / (died + last["duration_s"]))
+
+
 def test_cli_lists_run_and_report():
     """`batchvl --help` names both commands; `batchvl run` is the command `python -m batchvl.runner` runs."""
     r = CliRunner().invoke(cli, ["--help"])
@@ -246,5 +320,9 @@ def test_cli_lists_run_and_report():
     commands = [line.split()[0] for line in r.output.split("Commands:")[1].strip().splitlines()]
     assert sorted(commands) == ["report", "run"]
     assert cli.get_command(None, "run") is main
+    r = CliRunner().invoke(cli, ["--version"])
+    assert r.exit_code == 0 and r.output.startswith("batchvl ")
+    p = run_cli("--help")  # `python -m batchvl.runner` is the same group
+    assert p.returncode == 0 and "report" in p.stdout and "--version" in p.stdout
     r = CliRunner().invoke(cli, ["run", "--help"])
     assert r.exit_code == 0 and "Usage: cli run [OPTIONS] JOB_FILE" in r.output and "--overwrite" in r.output
