@@ -22,12 +22,9 @@ def next_batch(ready: deque, engine: Any, max_tokens: int, max_tiles: int) -> li
     for it in ready:
         r = it.request
         n = r.input_ids.shape[0] - engine.cached_tokens(r)
-        own = (
-            {k or f"#{id(r)}.{j}": n for j, (k, _, n) in enumerate(r.image_units())}
-            if engine.needs_vit(r)
-            else {}
-        )
-        t = sum(n for k, n in own.items() if k not in images)
+        units = r.image_units() if engine.needs_vit(r) else []
+        own = {key or f"#{id(r)}.{j}": count for j, (key, _, count) in enumerate(units)}  # image -> its tiles
+        t = sum(count for key, count in own.items() if key not in images)
         b = engine.blocks_needed(r)
         if batch and (tokens + n > max_tokens or tiles + t > max_tiles):
             break
