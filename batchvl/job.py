@@ -62,6 +62,7 @@ class PreprocessSpec:
     max_input_tokens: int = 32768
     overlong: str = "error"
     max_image_pixels: int = 100_000_000
+    max_image_bytes: int = 64 * 2**20  # a larger image file (or anything but a regular file) is an error row
     system_message: str | None = None
     workers: int = 2
     prefetch: int = 32  # prepared rows in flight ahead of the engine
@@ -303,7 +304,14 @@ def _validate(job: Job) -> None:
             raise JobError(f"job.data.image: {d.image} is not a file")
     _at_least(d.limit, 0, "job.data.limit")
 
-    for k in ("max_tiles", "min_tiles", "max_input_tokens", "max_image_pixels", "prefetch"):
+    for k in (
+        "max_tiles",
+        "min_tiles",
+        "max_input_tokens",
+        "max_image_pixels",
+        "max_image_bytes",
+        "prefetch",
+    ):
         _at_least(getattr(pp, k), 1, f"job.preprocess.{k}")
     if pp.min_tiles > pp.max_tiles:
         raise JobError(f"job.preprocess.min_tiles: {pp.min_tiles} > max_tiles {pp.max_tiles}")

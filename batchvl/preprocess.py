@@ -8,6 +8,7 @@ import importlib.util
 import io
 import json
 import os
+import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,10 @@ _INTERNVL_ADDED = (IMG_START, IMG_END, IMG_CONTEXT, "<quad>", "</quad>", "<ref>"
 _FIRST_INTERNVL_ID = 151665
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 _SIXTEEN_BIT = ("I", "I;16", "I;16L", "I;16B", "I;16N", "F")
+MAX_IMAGE_BYTES = 64 * 2**20
+# no token covers more characters than this (Qwen2.5's longest covers 128; NFC may merge up to ~3 characters into
+# one), so a prompt longer than this many characters per allowed token is over-long without tokenizing it
+MAX_CHARS_PER_TOKEN = 512
 
 
 class PreprocessError(ValueError):
@@ -50,7 +55,7 @@ class PreprocessError(ValueError):
 # ---------------------------------------------------------------- images
 
 
-def _read_source(src: Any) -> tuple[bytes | None, Image.Image]:
+def _read_source(src: Any, max_bytes: int = MAX_IMAGE_BYTES) -> tuple[bytes | None, Image.Image]:
     """Return (encoded bytes or None, lazily opened image) for a path, bytes, datasets dict or PIL image."""
     if isinstance(src, Image.Image):
         return None, src
@@ -63,14 +68,11 @@ def _read_source(src: Any) -> tuple[bytes | None, Image.Image]:
     elif isinstance(src, (str, os.PathLike)):
         path = os.fsdecode(src)
         what = f"image file {path!r}"
-        try:
-            data = Path(path).read_bytes()
-        except FileNotFoundError:
-            raise PreprocessError(f"image file not found: {path!r}") from None
-        except OSError as e:
-            raise PreprocessError(f"cannot read {what}: {e.strerror or e}") from None
+        data = _read_file(path, what, max_bytes)
     else:
         raise PreprocessError(f"unsupported image source type: {type(src).__name__}")
+    if len(data) > max_bytes:
+        raise PreprocessError(f"{what} has {len(data)} bytes > preprocess.max_image_bytes={max_bytes}")
     if not data:
         raise PreprocessError(f"empty {what} (0 bytes)")
     try:
@@ -81,6 +83,29 @@ def _read_source(src: Any) -> tuple[bytes | None, Image.Image]:
         raise PreprocessError(f"not an image (unrecognized format): {what}") from None
     except Exception as e:
         raise PreprocessError(f"cannot open {what}: {type(e).__name__}: {e}") from None
+
+
+def _read_file(path: str, what: str, max_bytes: int) -> bytes:
+    """At most max_bytes + 1 bytes of a regular file: a device, FIFO or directory is refused before it is read
+    (/dev/zero never ends, a FIFO blocks forever)."""
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise PreprocessError(f"{what} is not a regular file")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # never blocks, should the path turn into a FIFO now
+    except FileNotFoundError:
+        raise PreprocessError(f"image file not found: {path!r}") from None
+    except OSError as e:
+        raise PreprocessError(f"cannot read {what}: {e.strerror or e}") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise PreprocessError(f"{what} is not a regular file")
+        if st.st_size > max_bytes:
+            raise PreprocessError(f"{what} has {st.st_size} bytes > preprocess.max_image_bytes={max_bytes}")
+        try:
+            return f.read(max_bytes + 1)
+        except OSError as e:
+            raise PreprocessError(f"cannot read {what}: {e.strerror or e}") from None
 
 
 def _to_rgb(img: Image.Image) -> Image.Image:
@@ -130,10 +155,12 @@ def _decode(img: Image.Image, max_image_pixels: int) -> Image.Image:
 
 
 def load_image(
-    src: str | os.PathLike | bytes | Image.Image, max_image_pixels: int = 100_000_000
+    src: str | os.PathLike | bytes | Image.Image,
+    max_image_pixels: int = 100_000_000,
+    max_image_bytes: int = MAX_IMAGE_BYTES,
 ) -> Image.Image:
     """Decode an image to RGB with EXIF orientation applied; raises PreprocessError on bad input."""
-    return _decode(_read_source(src)[1], max_image_pixels)
+    return _decode(_read_source(src, max_image_bytes)[1], max_image_pixels)
 
 
 # ---------------------------------------------------------------- tiling
@@ -317,12 +344,16 @@ class PreprocessConfig:
     max_input_tokens: int = 32768
     overlong: str = "error"  # or "truncate": cut the question's text tokens, never image tokens
     max_image_pixels: int = 100_000_000
+    max_image_bytes: int = MAX_IMAGE_BYTES  # an image file or bytes above this is an error row, never read
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_tiles <= self.max_tiles:
             raise ValueError(f"need 1 <= min_tiles <= max_tiles, got {self.min_tiles}, {self.max_tiles}")
-        if min(self.image_size, self.num_image_token, self.max_input_tokens, self.max_image_pixels) < 1:
-            raise ValueError("image_size, num_image_token, max_input_tokens, max_image_pixels must be >= 1")
+        if min(self.image_size, self.num_image_token, self.max_input_tokens, self.max_image_pixels,
+               self.max_image_bytes) < 1:  # fmt: skip
+            raise ValueError(
+                "image_size, num_image_token, max_input_tokens, max_image_pixels, max_image_bytes must be >= 1"
+            )
         if self.overlong not in ("error", "truncate"):
             raise ValueError(f"overlong must be 'error' or 'truncate', got {self.overlong!r}")
         if self.template not in TEMPLATES:
@@ -397,6 +428,20 @@ class Preprocessor:
             f"(image and template tokens alone are about {total - len(q_ids)})"
         )
 
+    def _bounded(self, prompt: str) -> str:
+        """A prompt too long in characters to fit max_input_tokens, refused (or cut, to truncate) before the
+        tokenizer sees it: tokenizing a 49 MB prompt took 6.5 GB."""
+        c = self.cfg
+        most = c.max_input_tokens * MAX_CHARS_PER_TOKEN
+        if len(prompt) <= most:
+            return prompt
+        if c.overlong != "truncate":
+            raise PreprocessError(
+                f"prompt has {len(prompt)} characters, more than max_input_tokens={c.max_input_tokens} tokens can "
+                f"hold (at most {MAX_CHARS_PER_TOKEN} characters each)"
+            )
+        return prompt[:most]  # the cut lies far past the tokens truncation keeps
+
     def __call__(self, prompt: str, image: str | bytes | Image.Image | None) -> Prepared:
         """Prepare one row; raises PreprocessError with the reason for a bad row."""
         c = self.cfg
@@ -404,13 +449,14 @@ class Preprocessor:
             raise PreprocessError(f"prompt is not text: {type(prompt).__name__}")
         if prompt is None or not prompt.strip():
             raise PreprocessError("empty prompt")
+        prompt = self._bounded(prompt)
         if IMG_CONTEXT in prompt:
             raise PreprocessError(f"prompt contains the reserved image token {IMG_CONTEXT}")
         if isinstance(image, str) and not image.strip():
             image = None  # an empty path column means a text-only row
         pixel_values, num_tiles, key = None, 0, None
         if image is not None:
-            data, img = _read_source(image)
+            data, img = _read_source(image, c.max_image_bytes)
             img = _decode(img, c.max_image_pixels)
             pixel_values = to_pixel_values(img, c.min_tiles, c.max_tiles, c.image_size, c.use_thumbnail)
             num_tiles = int(pixel_values.shape[0])

@@ -103,6 +103,7 @@ def preprocess_config(job: Job, cfg: InternVLConfig) -> PreprocessConfig:
         max_input_tokens=p.max_input_tokens,
         overlong=p.overlong,
         max_image_pixels=p.max_image_pixels,
+        max_image_bytes=p.max_image_bytes,
     )
 
 
