@@ -204,6 +204,9 @@ def test_check_resume(tmp_path):
     assert check_resume(tmp_path, "j2", "m2", overwrite=True) == "overwrite"
     assert read_manifest(tmp_path) is None and done_ids(tmp_path) == set()
     assert (tmp_path / "keep.txt").exists()
+    with pytest.raises(ResumeError, match=r"not empty and not a batchvl run \(it holds keep.txt\)"):
+        check_resume(tmp_path, "j2", "m2", overwrite=False)
+    (tmp_path / "keep.txt").unlink()
     assert check_resume(tmp_path, "j2", "m2", overwrite=False) == "fresh"
 
 
