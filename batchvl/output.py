@@ -201,8 +201,9 @@ def content_digest(table: pa.Table) -> str:
             arr = pc.list_flatten(arr)
         if pa.types.is_string(arr.type):
             h.update(pc.binary_length(arr).fill_null(0).to_numpy().tobytes())
-            joined = pa.ListArray.from_arrays(pa.array([0, len(arr)], pa.int32()), arr.fill_null(""))
-            h.update((pc.binary_join(joined, "")[0].as_py() or "").encode("utf-8", "surrogatepass"))
+            raw = arr.fill_null("").cast(pa.binary())  # (bytes: a corrupt part may hold invalid UTF-8)
+            joined = pa.ListArray.from_arrays(pa.array([0, len(raw)], pa.int32()), raw)
+            h.update(pc.binary_join(joined, b"")[0].as_py() or b"")
         else:
             zero = pa.scalar(False if pa.types.is_boolean(arr.type) else 0, arr.type)
             h.update(arr.fill_null(zero).to_numpy(zero_copy_only=False).tobytes())
@@ -220,12 +221,12 @@ def part_problem(path: Path, fingerprints: dict[str, str]) -> str | None:
             if record.get(key) != want:
                 return f"belongs to another job ({key} {record.get(key)!r}, this job's is {want!r})"
         table = pq.read_table(path)
+        if not table.schema.equals(ROW_SCHEMA, check_metadata=False):
+            return "does not have batchvl's columns"
+        if table.num_rows != record.get("rows") or content_digest(table) != record.get("digest"):
+            return "does not match its own row count and checksum (altered or corrupt)"
     except Exception as e:  # noqa: BLE001 - any failure to read it is the finding
         return f"is unreadable ({type(e).__name__}: {e})"
-    if not table.schema.equals(ROW_SCHEMA, check_metadata=False):
-        return "does not have batchvl's columns"
-    if table.num_rows != record.get("rows") or content_digest(table) != record.get("digest"):
-        return "does not match its own row count and checksum (altered or corrupt)"
     return None
 
 
