@@ -143,7 +143,7 @@ def test_a_part_detects_flipped_bits_truncation_and_another_jobs_stamp(tmp_path)
     assert part_problem(good, FPS) is None
     data, original = good.read_bytes(), pq.read_table(good)
     silent = 0
-    for pos in range(4, len(data) - 4, 13):  # every 13th byte of the file (of all 8 bit positions), one bit flipped
+    for pos in range(4, len(data) - 4, 13):  # every 13th byte (all 8 bit positions), one bit flipped
         bad = bytearray(data)
         bad[pos] ^= 1 << (pos % 8)
         good.write_bytes(bytes(bad))
