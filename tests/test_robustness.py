@@ -270,9 +270,12 @@ def test_a_second_run_on_the_same_dir_is_refused_and_a_dead_runs_lock_is_taken_o
 SCRIPT = """
 import sys, time
 sys.path.insert(0, {tests!r})
-from conftest import FakeEngine
+from conftest import FakeEngine, HangingPreprocessor
+import batchvl.runner as runner
 from batchvl.job import load_job
 from batchvl.runner import Interrupted, run_job, setup_logging
+
+runner.Preprocessor = HangingPreprocessor
 
 class Slow(FakeEngine):
     def step(self):
@@ -293,7 +296,8 @@ def start_job(tmp_path: Path, rows: Path, *sets: str, env: dict | None = None, s
     code = SCRIPT.format(tests=str(REPO / "tests"), step_s=step_s)
     args = [sys.executable, "-c", code, str(REPO / "jobs/demo.yaml"), "data.format=jsonl", f"data.path={rows}",
             f"output.dir={tmp_path / 'run'}", *sets]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(REPO), "BATCHVL_TEST_MARK": mark, **(env or {})}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "BATCHVL_TEST_MARK": mark,
+           "BATCHVL_TEST_HANG": str(tmp_path / "hanging"), **(env or {})}  # fmt: skip
     return subprocess.Popen(
         args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     ), mark
@@ -324,8 +328,13 @@ def gone(mark: str, within_s: float = 10.0) -> bool:
 @pytest.mark.parametrize("signame, workers", [("SIGINT", 0), ("SIGTERM", 2)])
 def test_a_signal_keeps_every_finished_row_and_marks_the_manifest(tmp_path, signame, workers):
     """600 rows, the default rows_per_part, the signal after 252 rows (issue 27's case): the finished rows are on
-    disk, the manifest says interrupted, no worker outlives the job, and a re-run completes with each id once."""
+    disk, the manifest says interrupted, no worker outlives the job (not even one stuck on a row), and a re-run
+    completes with each id once."""
     rows = text_rows(tmp_path, 600)
+    if workers:  # row 300 never finishes preparing
+        lines = rows.read_text().splitlines()
+        lines[300] = json.dumps({"id": "r300", "prompt": "hang"})
+        write_jsonl(rows, lines)
     p, mark = start_job(
         tmp_path, rows, f"preprocess.workers={workers}", env={SIGNAL_AFTER_ENV: f"252:{signame}"}
     )
@@ -336,7 +345,8 @@ def test_a_signal_keeps_every_finished_row_and_marks_the_manifest(tmp_path, sign
     assert 252 <= len(first) < 600 and len(first) == len(ids_on_disk(out))
     man = read_manifest(out)
     assert man["status"] == "interrupted" and man["runs"][-1]["interrupted"] and man["ended_at"]
-    assert gone(mark), marked(mark)
+    assert gone(mark, within_s=5), marked(mark)
+    assert (tmp_path / "hanging").exists() == bool(workers)
     job = small_job(tmp_path, rows)
     assert run_job(job, engine_factory=fake_factory)["successful_requests"] == 600
     rows_now = {r["id"]: r for r in read_rows(out).to_pylist()}
@@ -346,12 +356,15 @@ def test_a_signal_keeps_every_finished_row_and_marks_the_manifest(tmp_path, sign
 
 @pytest.mark.slow
 def test_workers_die_with_a_killed_parent(tmp_path):
-    p, mark = start_job(tmp_path, text_rows(tmp_path, 600), "preprocess.workers=2", step_s=0.05)
+    """SIGKILL leaves no handler to run: a worker stuck on a row must still die with its parent."""
+    rows = write_jsonl(tmp_path / "rows.jsonl", [{"id": "h", "prompt": "hang"}, {"id": "x", "prompt": "x"}])
+    p, mark = start_job(tmp_path, rows, "preprocess.workers=2")
     try:
         end = time.monotonic() + 60
-        while sum(pp == p.pid for pp in marked(mark).values()) < 2 and time.monotonic() < end:
+        while not (tmp_path / "hanging").exists() and time.monotonic() < end:
             time.sleep(0.05)
-        assert p.poll() is None and sum(pp == p.pid for pp in marked(mark).values()) >= 2  # the workers
+        assert (tmp_path / "hanging").exists() and p.poll() is None
+        assert sum(pp == p.pid for pp in marked(mark).values()) >= 2  # the workers
         os.kill(p.pid, signal.SIGKILL)
         p.wait(10)
         assert gone(mark), marked(mark)
