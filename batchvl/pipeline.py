@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from batchvl.data import SourceRow
+from batchvl.llm.sampling import row_seed
 from batchvl.preprocess import Prepared, PreprocessError
 from batchvl.scheduler import next_batch
 
@@ -417,7 +418,10 @@ class Pipeline:
 
         p = it.prepared
         ids = torch.tensor(p.input_ids, dtype=torch.int64)
-        return Request(ids, p.pixel_values, p.image_key, self._sampling(it.row.generation), handle=it)
+        sampling = self._sampling(it.row.generation)
+        return Request(
+            ids, p.pixel_values, p.image_key, sampling, handle=it, seed=row_seed(sampling.seed, it.row.id)
+        )
 
     def _sampling(self, own: dict | None) -> Sampling:
         """The job's sampling with the row's own settings; ValueError (the row's error) for a bad value."""

@@ -371,3 +371,28 @@ def test_workers_die_with_a_killed_parent(tmp_path):
     finally:
         p.kill()
         p.communicate()
+
+
+# ---------------------------------------------------------------- sampling and resume
+
+
+@pytest.mark.slow
+def test_a_resumed_sampled_run_equals_an_uninterrupted_one(tmp_path):
+    """T=1 on the real (tiny) engine: a run that lost parts and resumed, with other batch budgets, samples exactly
+    what an uninterrupted run sampled; another seed samples something else."""
+
+    def demo(out: Path, *sets: str):
+        job = load_job(REPO / "jobs/demo.yaml", [f"output.dir={out}", "generation.temperature=1.0",
+                                                 "output.rows_per_part=2", *sets])  # fmt: skip
+        run_job(job)
+        return {r["id"]: r["output_token_ids"] for r in read_rows(out).to_pylist()}
+
+    whole = demo(tmp_path / "a")
+    assert demo(tmp_path / "c", "generation.seed=1") != whole
+    b = tmp_path / "b"
+    demo(b, "engine.max_prefill_tokens=1")  # one row per batch
+    for part in sorted(b.glob("part-*.parquet"))[1:3]:  # as if the run had died before writing them
+        part.unlink()
+    resumed = demo(b)
+    assert read_manifest(b)["runs"][-1]["counts"][0]["skipped"] == 4
+    assert resumed == whole
