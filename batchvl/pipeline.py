@@ -163,9 +163,10 @@ class Preparer:
     def pop(self, stop: threading.Event | None = None) -> Item:
         """The oldest row, prepared (or with its error); waits for it, raising Stopped when `stop` is set."""
         item, fut = self.queue[0]
-        while fut is not None and stop is not None and not fut.done():
-            if stop.wait(0.05):
-                raise Stopped
+        if fut is not None and stop is not None:
+            while not concurrent.futures.wait([fut], timeout=0.1).done:  # returns as soon as the row is ready
+                if stop.is_set():
+                    raise Stopped
         self.queue.popleft()
         if fut is None:
             return item
