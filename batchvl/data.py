@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import difflib
 import glob
+import json
+import logging
+import math
 import os
+import re
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -17,6 +21,7 @@ from typing import Any
 
 from batchvl.job import DataSpec, JobError
 
+log = logging.getLogger(__name__)
 IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 CAPTION_PROMPT = "Describe this image in detail."
 HUMAN_ROLES = ("human", "user")
@@ -48,11 +53,10 @@ def iter_rows(
     format 'rows' (dicts with the source's fields; images as paths, bytes or PIL images)."""
     seen: set[str] = set()
     for index, rec in enumerate(_limited(records(spec, rows), spec.limit)):
-        rid = rec.get("id")
-        row_id = str(index) if rid is None or rid == "" else str(rid)
+        row_id, id_error = canonical_id(rec.get("id"), index)
         if shard_of(row_id, num_shards) != shard:
             continue
-        error = rec.get("error")
+        error = rec.get("error") or id_error
         if row_id in seen:
             error = "duplicate id"
         seen.add(row_id)
@@ -64,6 +68,37 @@ def iter_rows(
         if prompt is None and spec.prompt is not None:
             prompt = spec.prompt
         yield SourceRow(index, row_id, prompt, image, error, rec.get("generation"))
+
+
+DERIVED_ID = re.compile(
+    r"#\d+"
+)  # "#<source index>": the ids batchvl gives rows without one; no real id may take it
+
+
+def canonical_id(value: Any, index: int) -> tuple[str, str | None]:
+    """(id, error): the source's id as text without loss (int 1 -> "1", big ints exact, floats as JSON writes them);
+    a missing, null or empty id -> "#<index>"; a bool, a container, a non-finite float, text that is not valid UTF-8
+    or a real id in the derived "#<n>" namespace -> "#<index>" and an error saying why."""
+    derived = f"#{index}"
+    if value is None or value == "":
+        return derived, None
+    if isinstance(value, bool):  # True and "True" must never meet as one id
+        return derived, f"id {value!r} is a boolean; use a string or an integer"
+    if isinstance(value, int):
+        return str(value), None
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return derived, f"id {value!r} is not a finite number"
+        return json.dumps(value), None
+    if not isinstance(value, str):
+        return derived, f"id must be a string or a number, got {type(value).__name__}"
+    if DERIVED_ID.fullmatch(value):
+        return derived, f"id {value!r} has the form batchvl reserves for rows without an id (#<row number>)"
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return derived, f"id {value!r} is not valid UTF-8 text"
+    return value, None
 
 
 def _limited(it: Iterable[dict], limit: int | None) -> Iterator[dict]:
@@ -93,10 +128,53 @@ def records(spec: DataSpec, rows: Iterable[dict] | None = None) -> Iterator[dict
         return
     base = Path(spec.path) if Path(spec.path).is_dir() else Path(spec.path).parent
     norm: Callable[[dict, DataSpec], dict] = _sharegpt if spec.format == "sharegpt" else _fields
-    for raw in open_dataset(spec):
+    raws = json_records(spec.path) if spec.format in ("jsonl", "sharegpt") else open_dataset(spec)
+    for raw in raws:
+        if isinstance(raw, BadRecord):
+            yield raw
+            continue
         rec = norm(raw, spec)
         rec["image"] = _image(rec.get("image"), base)
         yield rec
+
+
+class BadRecord(dict):
+    """A source record that did not parse: {"id": None, "error": why}."""
+
+
+def json_records(path: str) -> Iterator[dict]:
+    """A JSON Lines file one line at a time (blank lines skipped), or a file holding one JSON array. A line or
+    element that is not a JSON object becomes a BadRecord naming its line: the job goes on."""
+    with open(path, encoding="utf-8", errors="surrogateescape") as f:
+        head = f.read(4096).lstrip()
+        f.seek(0)
+        if head.startswith("["):
+            yield from _json_array(f.read(), path)
+            return
+        for number, line in enumerate(f, 1):
+            if line.strip():
+                yield _json_object(line, f"line {number}")
+
+
+def _json_array(text: str, path: str) -> Iterator[dict]:
+    try:
+        items = json.loads(text)
+    except ValueError as e:
+        raise JobError(f"job.data.path: {path} starts with '[' but is not a JSON array: {e}") from None
+    for number, item in enumerate(items):
+        yield item if isinstance(item, dict) else _not_object(item, f"element {number}")
+
+
+def _json_object(text: str, where: str) -> dict:
+    try:
+        rec = json.loads(text)
+    except ValueError as e:
+        return BadRecord(id=None, error=f"{where}: not valid JSON: {e}")
+    return rec if isinstance(rec, dict) else _not_object(rec, where)
+
+
+def _not_object(value: Any, where: str) -> dict:
+    return BadRecord(id=None, error=f"{where}: expected a JSON object, got {type(value).__name__}")
 
 
 def open_dataset(spec: DataSpec) -> Any:
@@ -149,7 +227,18 @@ def _open_hf(spec: DataSpec) -> Any:
 
 def check_source(spec: DataSpec) -> None:
     """Open the source and check its columns, so that a bad path, name or field fails before any model loads."""
-    if spec.format not in ("jsonl", "sharegpt", "parquet", "hf"):
+    if spec.format in (
+        "jsonl",
+        "sharegpt",
+    ):  # read line by line by `json_records`: a bad line is an error row
+        if Path(spec.path).stat().st_size == 0:
+            log.warning("%s is empty: the job has no rows", spec.path)
+            return
+        first = next((r for r in json_records(spec.path) if not isinstance(r, BadRecord)), None)
+        if first is not None:
+            check_columns(spec, list(first))
+        return
+    if spec.format not in ("parquet", "hf"):
         return
     try:
         ds = open_dataset(spec)

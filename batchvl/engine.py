@@ -22,7 +22,7 @@ from batchvl.config import InternVLConfig
 from batchvl.job import EngineSpec
 from batchvl.llm.decode_step import DecodeStep, row_bucket
 from batchvl.llm.kv_cache import KVPool, blocks_for
-from batchvl.llm.sampling import sample_rows
+from batchvl.llm.sampling import row_seed, sample_rows
 from batchvl.model.internvl import InternVL
 from batchvl.ops.decode_attention import BLOCK
 from batchvl.ops.prefill_attention import PER_SEQ_MIN_MEAN, AttnMeta, prefill_backend
@@ -54,6 +54,7 @@ class Request:
     handle: Any = None  # the caller's, given back in `Finished`
     # (content key, tiles) of each image, in order, when pixel_values holds several; empty: one image, image_key
     images: tuple[tuple[str | None, int], ...] = ()
+    seed: int | None = None  # its own random stream (`sampling.row_seed`); None: one derived from its prompt
 
     def image_units(self) -> list[tuple[str | None, int, int]]:
         """(content key, first tile, tiles) of each image in pixel_values: what the image cache holds."""
@@ -91,6 +92,7 @@ class _Seq:
     out: list[int]
     stops: set[int]
     timing: dict
+    seed: int = 0  # its random stream
     decode_ms: float = 0.0
 
 
@@ -159,7 +161,7 @@ class Engine:
         self.decode_step = DecodeStep(
             model.llm, graphs=not self.settings.eager and self.device.type == "cuda"
         )
-        self.gen = torch.Generator(device=self.device).manual_seed(seed)  # for rows with a temperature
+        self.seed = seed  # the random streams of requests without their own
 
     # ---- memory ------------------------------------------------------------------------------------------------
     def activation_bytes(self, prefill_tokens: int | None = None) -> int:
@@ -308,7 +310,8 @@ class Engine:
                     own = self.pool.allocate(blocks_for(r.input_ids.shape[0] + r.sampling.max_new_tokens)
                                              - len(reused))  # fmt: skip
                     row = self.rows.index(None)
-                    s = _Seq(r, row, reused + own, r.input_ids.shape[0], [], self._stops(r.sampling), {})
+                    s = _Seq(r, row, reused + own, r.input_ids.shape[0], [], self._stops(r.sampling), {},
+                             self._seed(r))  # fmt: skip
                     self.rows[row] = s
                     seqs.append(s)
                     self.tables[row, : len(s.blocks)] = torch.tensor(s.blocks, dtype=torch.int32)
@@ -319,7 +322,8 @@ class Engine:
                 logits = self._prefill(ids, new_feats, shared, [s.row for s in seqs])
                 if logits_out is not None:
                     logits_out.append(logits)
-                first = sample_rows(logits, [r.sampling for r in requests], self.gen).tolist()
+                first = sample_rows(logits, [r.sampling for r in requests], [s.seed for s in seqs],
+                                    [0] * len(seqs)).tolist()  # fmt: skip
             first_s = time.perf_counter()
             if self.settings.prefix_cache:
                 self._remember_prefixes(requests, prefixes, hit, feats, seqs)
@@ -391,7 +395,8 @@ class Engine:
             torch.tensor(tok, device=dev), torch.tensor(pos, device=dev), table, self.pool
         )
         rows = torch.tensor([s.row for s in live], device=dev)
-        new = sample_rows(logits[rows], [s.req.sampling for s in live], self.gen).tolist()
+        new = sample_rows(logits[rows], [s.req.sampling for s in live], [s.seed for s in live],
+                          [len(s.out) for s in live]).tolist()  # fmt: skip
         now = time.perf_counter()
         self.counters["decode_steps"] += 1
         self.counters["decode_rows"] += len(live)
@@ -410,6 +415,11 @@ class Engine:
             if s is not None:
                 self._free(s)
         return handles
+
+    def _seed(self, r: Request) -> int:
+        if r.seed is not None:
+            return r.seed
+        return row_seed(self.seed, hashlib.blake2b(r.input_ids.numpy().tobytes(), digest_size=16).hexdigest())
 
     def _stops(self, s: Sampling) -> set[int]:
         return set(s.stop_token_ids) | (set() if s.ignore_eos else set(self.eos))

@@ -64,6 +64,7 @@ class PreprocessSpec:
     max_input_tokens: int = 32768
     overlong: str = "error"
     max_image_pixels: int = 100_000_000
+    max_image_bytes: int = 64 * 2**20  # a larger image file (or anything but a regular file) is an error row
     system_message: str | None = None
     workers: int = 2
     prefetch: int = 32  # prepared rows in flight ahead of the engine
@@ -192,12 +193,13 @@ def job_to_dict(job: Job) -> dict:
 
 
 def job_for_fingerprint(job: Job) -> dict:
-    """The job dict minus settings that cannot change results (overwrite, worker counts)."""
+    """What changes results: the job dict minus where it is written (a moved run dir resumes), how rows are split
+    into parts, worker counts and the engine's batch budgets (greedy results do not depend on them)."""
     d = job_to_dict(job)
-    d["output"].pop("overwrite", None)
-    d["preprocess"].pop("workers", None)
-    d["preprocess"].pop("prefetch", None)
-    d["engine"].pop("cache_dir", None)
+    for section, key in (("output", "overwrite"), ("output", "dir"), ("output", "rows_per_part"),
+                         ("preprocess", "workers"), ("preprocess", "prefetch"), ("engine", "cache_dir"),
+                         ("engine", "max_prefill_tokens"), ("engine", "max_vit_tiles")):  # fmt: skip
+        d[section].pop(key, None)
     return d
 
 
@@ -312,6 +314,7 @@ def _validate(job: Job) -> None:
         "max_image_pixels",
         "prefetch",
         "max_tiles_per_row",
+        "max_image_bytes",
     ):
         _at_least(getattr(pp, k), 1, f"job.preprocess.{k}")
     if pp.min_tiles > pp.max_tiles:
@@ -331,6 +334,10 @@ def _validate(job: Job) -> None:
     if o.dir is None:
         raise JobError("job.output.dir: required (where the Parquet parts go)")
     o.dir = _abs(o.dir)
+    if Path(o.dir).resolve() in (Path("/"), Path.home().resolve()):
+        raise JobError(
+            f"job.output.dir: {o.dir} is / or the home directory; give the run a directory of its own"
+        )
     if Path(o.dir).exists() and not Path(o.dir).is_dir():
         raise JobError(f"job.output.dir: {o.dir} exists and is not a directory")
     _at_least(o.rows_per_part, 1, "job.output.rows_per_part")

@@ -6,10 +6,14 @@ A run dir holds the parts (`part-<rank>-<chunk>.parquet`) and batchvl's other fi
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
+import logging
 import os
 import re
+import shutil
+import socket
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -69,10 +73,18 @@ def columns_with_role(role: str) -> tuple[str, ...]:
 STAGE_COLUMNS: tuple[str, ...] = columns_with_role("stage")
 MANIFEST_NAME = "_manifest.json"
 SUMMARY_JSON, SUMMARY_TXT, REPORT_DIR = "_summary.json", "_summary.txt", "_report"
+SUMMARY_NAMES = (SUMMARY_JSON, SUMMARY_TXT)
 # names of an older batchvl, which readers of the dir as a Parquet dataset tripped over; upgrade_layout moves them
 _LEGACY = {"manifest.json": MANIFEST_NAME, "summary.json": SUMMARY_JSON, "summary.txt": SUMMARY_TXT,
            "report": REPORT_DIR}  # fmt: skip
+LOCK_NAME = ".batchvl.lock"
+QUARANTINE_DIR = "_quarantine"  # a leading underscore: Parquet dataset readers (pyarrow, pandas) skip it
+PART_RECORD = (
+    b"batchvl"  # a part's key-value metadata: JSON of its job's fingerprints, row count, content digest
+)
 _PART_RE = re.compile(r"^part-(\d{5,})-(\d{6,})\.parquet$")
+_TEMP_RE = re.compile(r"^\..+\.\d+\.tmp$")  # left by `_atomic_write` when a process died mid-write
+log = logging.getLogger(__name__)
 
 
 class ResumeError(RuntimeError):
@@ -125,7 +137,12 @@ class PartWriter:
     """Buffers row dicts and writes them as atomic Parquet parts `part-<rank:05d>-<chunk:06d>.parquet`."""
 
     def __init__(
-        self, out_dir: str | Path, rank: int, rows_per_part: int = 1000, start_chunk: int | None = None
+        self,
+        out_dir: str | Path,
+        rank: int,
+        rows_per_part: int = 1000,
+        start_chunk: int | None = None,
+        fingerprints: dict[str, str] | None = None,  # stored in every part, checked on resume
     ) -> None:
         if rows_per_part < 1:
             raise ValueError(f"rows_per_part must be >= 1, got {rows_per_part}")
@@ -139,6 +156,7 @@ class PartWriter:
             parts = _part_files(self.out_dir, rank)
             start_chunk = int(_PART_RE.match(parts[-1].name).group(2)) + 1 if parts else 0
         self.chunk = start_chunk
+        self.fingerprints = dict(fingerprints or {})
         self._rows: list[dict] = []
         self._closed = False
 
@@ -160,6 +178,8 @@ class PartWriter:
         if not self._rows:
             return None
         table = pa.Table.from_pylist(self._rows, schema=ROW_SCHEMA)
+        record = {**self.fingerprints, "rows": table.num_rows, "digest": content_digest(table)}
+        table = table.replace_schema_metadata({PART_RECORD: json.dumps(record, sort_keys=True)})
         path = self.out_dir / f"part-{self.rank:05d}-{self.chunk:06d}.parquet"
         _atomic_write(path, lambda f: pq.write_table(table, f))
         self._rows = []
@@ -177,6 +197,105 @@ class PartWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def content_digest(table: pa.Table) -> str:
+    """sha256 of a table's values (not of its encoding), column by column: nulls, list lengths, then the values."""
+    h = hashlib.sha256()
+    for name in table.column_names:
+        arr = table.column(name).combine_chunks()
+        h.update(name.encode() + b"\0" + pc.is_valid(arr).to_numpy(zero_copy_only=False).tobytes())
+        if pa.types.is_list(arr.type):
+            h.update(pc.list_value_length(arr).fill_null(0).to_numpy().tobytes())
+            arr = pc.list_flatten(arr)
+        if pa.types.is_string(arr.type):
+            h.update(pc.binary_length(arr).fill_null(0).to_numpy().tobytes())
+            raw = arr.fill_null("").cast(pa.binary())  # (bytes: a corrupt part may hold invalid UTF-8)
+            joined = pa.ListArray.from_arrays(pa.array([0, len(raw)], pa.int32()), raw)
+            h.update(pc.binary_join(joined, b"")[0].as_py() or b"")
+        else:
+            zero = pa.scalar(False if pa.types.is_boolean(arr.type) else 0, arr.type)
+            h.update(arr.fill_null(zero).to_numpy(zero_copy_only=False).tobytes())
+    return h.hexdigest()
+
+
+def part_problem(path: Path, fingerprints: dict[str, str]) -> str | None:
+    """Why a part file cannot count as this job's results (unreadable, another job's, altered), or None."""
+    try:
+        raw = (pq.read_schema(path).metadata or {}).get(PART_RECORD)
+        if raw is None:
+            return "has no batchvl record (written by another program or an older batchvl)"
+        record = json.loads(raw)
+        for key, want in fingerprints.items():
+            if record.get(key) != want:
+                return f"belongs to another job ({key} {record.get(key)!r}, this job's is {want!r})"
+        table = pq.read_table(path)
+        if not table.schema.equals(ROW_SCHEMA, check_metadata=False):
+            return "does not have batchvl's columns"
+        if table.num_rows != record.get("rows") or content_digest(table) != record.get("digest"):
+            return "does not match its own row count and checksum (altered or corrupt)"
+    except Exception as e:  # noqa: BLE001 - any failure to read it is the finding
+        return f"is unreadable ({type(e).__name__}: {e})"
+    return None
+
+
+def quarantine_bad_parts(out_dir: str | Path, fingerprints: dict[str, str]) -> list[str]:
+    """Move every part that `part_problem` refuses (and stale temp files) out of the run, into _quarantine/; their
+    ids then run again. Returns one line per moved part."""
+    d = Path(out_dir)
+    moved = []
+    for p in d.iterdir() if d.is_dir() else ():
+        if _TEMP_RE.match(p.name):
+            p.unlink(missing_ok=True)
+    for p in _part_files(d):
+        why = part_problem(p, fingerprints)
+        if why is None:
+            continue
+        q = d / QUARANTINE_DIR
+        q.mkdir(exist_ok=True)
+        dest = q / p.name
+        n = 1
+        while dest.exists():
+            dest, n = q / f"{p.name}.{n}", n + 1
+        os.replace(p, dest)
+        moved.append(f"{p.name} {why}; moved to {dest.relative_to(d)}, its rows run again")
+        log.warning("%s", moved[-1])
+    return moved
+
+
+class RunLock:
+    """An exclusive flock on <dir>/.batchvl.lock, the file holding its owner's pid and host: a second run on the dir
+    is refused. The kernel drops the lock when its process dies (even on SIGKILL), so a dead run's lock is taken
+    over."""
+
+    def __init__(self, out_dir: str | Path) -> None:
+        self.path = Path(out_dir) / LOCK_NAME
+        self.fd: int | None = None
+
+    def acquire(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.read(fd, 256).decode(errors="replace").strip() or "an unknown process"
+            os.close(fd)
+            raise ResumeError(
+                f"{self.path.parent} is in use by another batchvl run ({holder}); wait for it to end or use "
+                "another output dir"
+            ) from None
+        earlier = os.read(fd, 256).decode(errors="replace").strip()
+        if earlier:
+            log.warning("taking over the lock of a run that ended without releasing it (%s)", earlier)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}".encode(), 0)
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.ftruncate(self.fd, 0)  # an empty lock file: released cleanly
+            os.close(self.fd)
+            self.fd = None
 
 
 def read_rows(out_dir: str | Path) -> pa.Table:
@@ -205,9 +324,21 @@ def write_manifest(out_dir: str | Path, manifest: dict) -> None:
 
 
 def read_manifest(out_dir: str | Path) -> dict | None:
-    """The _manifest.json dict, or None if there is none."""
+    """The _manifest.json dict, or None if there is none; ResumeError if it is not a batchvl manifest."""
     p = Path(out_dir) / MANIFEST_NAME
-    return json.loads(p.read_text()) if p.is_file() else None
+    if not p.is_file():
+        return None
+    try:
+        manifest = json.loads(p.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ResumeError(
+            f"{p} is not a batchvl manifest (unreadable: {e}); move it away or use another output dir"
+        ) from None
+    if not isinstance(manifest, dict) or "job_fingerprint" not in manifest:
+        raise ResumeError(
+            f"{p} was not written by batchvl; batchvl will not replace it: use another output dir"
+        )
+    return manifest
 
 
 def fingerprint(obj: Any) -> str:
@@ -246,6 +377,36 @@ def changed_keys(old: dict, new: dict, prefix: str) -> list[str]:
     return [f"{k}: {a.get(k)!r} -> {v!r}" for k, v in b.items() if a.get(k) != v]
 
 
+def check_output_dir(out_dir: str | Path, overwrite: bool) -> None:
+    """Refuse an output dir that is / or the home directory, or that is not a batchvl run (no batchvl manifest) and
+    holds a manifest or summary batchvl did not write, or (unless overwrite) anything else batchvl did not write."""
+    d = Path(out_dir)
+    if d.resolve() in (Path("/"), Path.home().resolve()):
+        raise ResumeError(f"output.dir {d} is / or the home directory; give the run a directory of its own")
+    if not d.is_dir():
+        return
+    if read_manifest(d) is not None:  # a batchvl run (raises for a manifest.json that is not batchvl's)
+        return
+    if any((d / n).exists() for n in SUMMARY_NAMES):
+        raise ResumeError(f"{d} holds {' or '.join(SUMMARY_NAMES)} but no batchvl manifest; batchvl will not "
+                          "replace them: use another output dir")  # fmt: skip
+    foreign = sorted(
+        p.name for p in d.iterdir() if not (_ours(p.name) or p.name.startswith("."))
+    )  # (.DS_Store)
+    if not foreign:
+        return
+    named = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+    if not overwrite:
+        raise ResumeError(f"{d} is not empty and not a batchvl run (it holds {named}); use an empty or new output "
+                          "dir, or pass --overwrite to write there anyway (files batchvl did not write are kept)")  # fmt: skip
+    log.warning("%s holds files batchvl did not write (%s); they are kept", d, named)
+
+
+def _ours(name: str) -> bool:
+    """Whether batchvl writes files of this name outside a finished manifest (parts, temp files, lock, quarantine)."""
+    return bool(_PART_RE.match(name) or _TEMP_RE.match(name)) or name in (LOCK_NAME, QUARANTINE_DIR)
+
+
 def check_resume(
     out_dir: str | Path,
     job_fp: str,
@@ -258,24 +419,18 @@ def check_resume(
     the keys that differ: `job`, `model` are what the fingerprints hash) or a dir that is not a run's."""
     d = Path(out_dir)
     upgrade_layout(d)
+    check_output_dir(d, overwrite)
     manifest = read_manifest(d)
     parts = _part_files(d)
     if manifest is None and not parts:
-        others = sorted(p.name for p in d.iterdir() if not p.name.startswith(".")) if d.is_dir() else []
-        if others and not overwrite:
-            shown = ", ".join(others[:5]) + (", ..." if len(others) > 5 else "")
-            raise ResumeError(
-                f"output.dir {d} is not a batchvl run dir and is not empty ({len(others)} entries: {shown}); "
-                "choose a new or empty output.dir, or pass --overwrite to write there anyway (batchvl deletes only "
-                "its own files)"
-            )
-        return "fresh"
+        return "fresh"  # (check_output_dir refused a dir of others' files)
     if overwrite:
-        stale = [*parts, *d.glob(".part-*.tmp"), d / MANIFEST_NAME, d / SUMMARY_JSON, d / SUMMARY_TXT]
-        for p in stale:
+        stale = [*parts, *(p for p in d.iterdir() if _TEMP_RE.match(p.name)), d / MANIFEST_NAME]
+        for p in stale + [d / n for n in SUMMARY_NAMES]:
             p.unlink(missing_ok=True)
         for png in ("stages.png", "throughput.png", "timeline.png"):
             (d / REPORT_DIR / png).unlink(missing_ok=True)
+        shutil.rmtree(d / QUARANTINE_DIR, ignore_errors=True)
         return "overwrite"
     if manifest is None:
         raise ResumeError(

@@ -7,9 +7,13 @@ Every row carries its own clock (perf_counter, shared by the processes of one ho
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import logging
 import multiprocessing as mp
 import os
+import signal
+import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -21,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from batchvl.data import SourceRow
+from batchvl.llm.sampling import row_seed
 from batchvl.preprocess import Prepared, PreprocessError
 from batchvl.scheduler import next_batch
 
@@ -33,6 +38,12 @@ if TYPE_CHECKING:  # the engine pulls in the model code: preprocess workers neve
 log = logging.getLogger(__name__)
 # test hook: os._exit(17) once this many rows were handed to the writer (a crash mid-job)
 EXIT_AFTER_ENV = "BATCHVL_EXIT_AFTER_ROWS"
+# test hook: "N:SIGNAME", the process sends itself that signal once N rows were handed to the writer
+SIGNAL_AFTER_ENV = "BATCHVL_SIGNAL_AFTER_ROWS"
+
+
+class Stopped(Exception):
+    """The job was asked to stop (SIGINT / SIGTERM) while waiting for a row."""
 
 
 @dataclass
@@ -56,9 +67,15 @@ class Item:
 _WORKER_PRE: Callable | None = None
 
 
-def _init_worker(pre: Callable) -> None:
-    """Pool initializer: keep this worker's Preprocessor (its tokenizer loads once, on first use)."""
+def _init_worker(pre: Callable, parent: int) -> None:
+    """Pool initializer: die with the parent (even on its SIGKILL), ignore Ctrl-C (the parent decides what stops),
+    keep this worker's Preprocessor (its tokenizer loads once, on first use)."""
     global _WORKER_PRE
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the parent died before the line above
+        os._exit(1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
     _WORKER_PRE = pre
 
@@ -111,7 +128,9 @@ class Preparer:
 
     def _start(self) -> None:
         ctx = mp.get_context("spawn")  # never fork a process that holds CUDA or process groups
-        self.pool = ProcessPoolExecutor(self.workers, ctx, initializer=_init_worker, initargs=(self.pre,))
+        self.pool = ProcessPoolExecutor(
+            self.workers, ctx, initializer=_init_worker, initargs=(self.pre, os.getpid())
+        )
         self.warming = [self.pool.submit(_warm) for _ in range(self.workers)]
 
     def wait_warm(self) -> None:
@@ -141,9 +160,14 @@ class Preparer:
         """Queue an item that needs no preparation (it already carries its error)."""
         self.queue.append((item, None))
 
-    def pop(self) -> Item:
-        """The oldest row, prepared (or with its error); waits for it."""
-        item, fut = self.queue.popleft()
+    def pop(self, stop: threading.Event | None = None) -> Item:
+        """The oldest row, prepared (or with its error); waits for it, raising Stopped when `stop` is set."""
+        item, fut = self.queue[0]
+        if fut is not None and stop is not None:
+            while not concurrent.futures.wait([fut], timeout=0.1).done:  # returns as soon as the row is ready
+                if stop.is_set():
+                    raise Stopped
+        self.queue.popleft()
         if fut is None:
             return item
         try:
@@ -183,8 +207,12 @@ class Preparer:
             out.pixel_values = torch.from_numpy(out.pixel_values)
         item.prepared, item.error = out, err
 
-    def close(self) -> None:
+    def close(self, now: bool = False) -> None:
+        """Shut the workers down: after their current rows, or (`now`) killed at once."""
         if self.pool is not None:
+            if now:
+                for proc in list(getattr(self.pool, "_processes", {}).values()):
+                    proc.kill()
             self.pool.shutdown(wait=True, cancel_futures=True)
             self.pool = None
         if self.pinner is not None:
@@ -283,9 +311,15 @@ class Pipeline:
     the writer; counts what it did. Each row is written as soon as it finishes."""
 
     def __init__(
-        self, flow: Flow, write: Callable[[dict], None], t0: float, progress: tqdm | None = None
+        self,
+        flow: Flow,
+        write: Callable[[dict], None],
+        t0: float,
+        progress: tqdm | None = None,
+        stop: threading.Event | None = None,  # set (by a signal): finish what is written, admit nothing more
     ) -> None:
         self.flow, self.write, self.t0, self.progress = flow, write, t0, progress
+        self.stop = stop
         self.batch_id = 0
         self.last_busy = t0  # when the engine last finished work: from then on it waits for input
         self.counts = {
@@ -297,6 +331,8 @@ class Pipeline:
             "skipped": 0,
         }
         self.exit_after = int(os.environ.get(EXIT_AFTER_ENV, 0))
+        after, _, name = os.environ.get(SIGNAL_AFTER_ENV, "").partition(":")
+        self.signal_after = (int(after), getattr(signal, name)) if after else None
         self.outstanding: set[int] = set()  # source indexes taken from the preparer, not yet written
         self.deferred: deque[tuple[int, dict]] = deque()  # error rows waiting for the rows before them
         self.ready: deque[Item] = deque()  # prepared rows waiting for admission
@@ -311,7 +347,13 @@ class Pipeline:
         source = iter(rows)
         try:
             while True:
-                self._top_up(source, done, prep, wait=f.lockstep or (not eng.active and not self.ready))
+                if self.stop is not None and self.stop.is_set():
+                    self._halt()
+                    break
+                try:
+                    self._top_up(source, done, prep, wait=f.lockstep or (not eng.active and not self.ready))
+                except Stopped:
+                    continue
                 if not self.ready and not eng.active:
                     break  # every row is done
                 batch = (
@@ -328,14 +370,23 @@ class Pipeline:
                 self._flush_errors()
             self._flush_errors()
         finally:
-            prep.close()
+            prep.close(now=self.stop is not None and self.stop.is_set())
         return self.counts
+
+    def _halt(self) -> None:
+        """Stop: drop the sequences in flight and the rows not yet admitted (they run again on resume), and write
+        the error rows that no unwritten row comes before."""
+        self.flow.engine.abort()
+        self.ready.clear()
+        self._flush_errors()
+        self.counts["interrupted"] = True
+        log.warning("stopped: %d rows written in this run; the rest run on resume", self.counts["rows"])
 
     def _top_up(self, source: Iterator[SourceRow], done: set[str], prep: Preparer, wait: bool) -> None:
         """Feed the preparer, and move prepared rows to `ready` (up to `prefetch` of them) without waiting, or, with
         `wait` (the engine is idle), waiting for one (in lockstep: for all of them). Error rows are set aside until
         the rows before them are written."""
-        while len(self.ready) < self.flow.prefetch:
+        while len(self.ready) < self.flow.prefetch and len(self.deferred) < self.flow.prefetch:
             while prep.has_room():
                 row = next(source, None)
                 if row is None:
@@ -349,9 +400,10 @@ class Pipeline:
                     prep.submit(Item(row, time.perf_counter()))
             if not len(prep) or not (wait or prep.head_ready()):
                 return
-            item = prep.pop()
+            item = prep.pop(self.stop)
             if item.error:
                 self.deferred.append((item.row.index, self._error_row(item)))
+                self._flush_errors()  # written now unless a row before it is still running (bounded memory)
                 continue
             self.outstanding.add(item.row.index)
             try:
@@ -368,7 +420,8 @@ class Pipeline:
         p = it.prepared
         ids = torch.tensor(p.input_ids, dtype=torch.int64)
         sampling = self._sampling(it.row.generation)
-        return Request(ids, p.pixel_values, p.image_key, sampling, handle=it, images=p.images)
+        seed = row_seed(sampling.seed, it.row.id)
+        return Request(ids, p.pixel_values, p.image_key, sampling, handle=it, images=p.images, seed=seed)
 
     def _sampling(self, own: dict | None) -> Sampling:
         """The job's sampling with the row's own settings; ValueError (the row's error) for a bad value."""
@@ -473,6 +526,8 @@ class Pipeline:
             c["input_tokens"] += n_in
             c["output_tokens"] += n_out
         self._tick(n_in, n_out)
+        if self.signal_after and c["rows"] == self.signal_after[0]:
+            os.kill(os.getpid(), self.signal_after[1])
         if self.exit_after and c["rows"] >= self.exit_after:
             log.error("%s=%d reached: exiting without cleanup (test hook)", EXIT_AFTER_ENV, self.exit_after)
             os._exit(17)

@@ -6,8 +6,8 @@ import functools
 import hashlib
 import io
 import os
+import stat
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -35,6 +35,10 @@ TEMPLATES: dict[str, tuple[str, str, str, str, str]] = {
 }
 
 _SIXTEEN_BIT = ("I", "I;16", "I;16L", "I;16B", "I;16N", "F")
+MAX_IMAGE_BYTES = 64 * 2**20
+# no token covers more characters than this (Qwen2.5's longest covers 128; NFC may merge up to ~3 characters into
+# one), so a prompt longer than this many characters per allowed token is over-long without tokenizing it
+MAX_CHARS_PER_TOKEN = 512
 
 
 class PreprocessError(ValueError):
@@ -44,7 +48,7 @@ class PreprocessError(ValueError):
 # ---------------------------------------------------------------- images
 
 
-def _read_source(src: Any) -> tuple[bytes | None, Image.Image]:
+def _read_source(src: Any, max_bytes: int = MAX_IMAGE_BYTES) -> tuple[bytes | None, Image.Image]:
     """Return (encoded bytes or None, lazily opened image) for a path, bytes, datasets dict or PIL image."""
     if isinstance(src, Image.Image):
         return None, src
@@ -57,14 +61,11 @@ def _read_source(src: Any) -> tuple[bytes | None, Image.Image]:
     elif isinstance(src, (str, os.PathLike)):
         path = os.fsdecode(src)
         what = f"image file {path!r}"
-        try:
-            data = Path(path).read_bytes()
-        except FileNotFoundError:
-            raise PreprocessError(f"image file not found: {path!r}") from None
-        except OSError as e:
-            raise PreprocessError(f"cannot read {what}: {e.strerror or e}") from None
+        data = _read_file(path, what, max_bytes)
     else:
         raise PreprocessError(f"unsupported image source type: {type(src).__name__}")
+    if len(data) > max_bytes:
+        raise PreprocessError(f"{what} has {len(data)} bytes > preprocess.max_image_bytes={max_bytes}")
     if not data:
         raise PreprocessError(f"empty {what} (0 bytes)")
     try:
@@ -75,6 +76,29 @@ def _read_source(src: Any) -> tuple[bytes | None, Image.Image]:
         raise PreprocessError(f"not an image (unrecognized format): {what}") from None
     except Exception as e:
         raise PreprocessError(f"cannot open {what}: {type(e).__name__}: {e}") from None
+
+
+def _read_file(path: str, what: str, max_bytes: int) -> bytes:
+    """At most max_bytes + 1 bytes of a regular file: a device, FIFO or directory is refused before it is read
+    (/dev/zero never ends, a FIFO blocks forever)."""
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise PreprocessError(f"{what} is not a regular file")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # never blocks, should the path turn into a FIFO now
+    except FileNotFoundError:
+        raise PreprocessError(f"image file not found: {path!r}") from None
+    except OSError as e:
+        raise PreprocessError(f"cannot read {what}: {e.strerror or e}") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise PreprocessError(f"{what} is not a regular file")
+        if st.st_size > max_bytes:
+            raise PreprocessError(f"{what} has {st.st_size} bytes > preprocess.max_image_bytes={max_bytes}")
+        try:
+            return f.read(max_bytes + 1)
+        except OSError as e:
+            raise PreprocessError(f"cannot read {what}: {e.strerror or e}") from None
 
 
 def _to_rgb(img: Image.Image) -> Image.Image:
@@ -124,10 +148,12 @@ def _decode(img: Image.Image, max_image_pixels: int) -> Image.Image:
 
 
 def load_image(
-    src: str | os.PathLike | bytes | Image.Image, max_image_pixels: int = 100_000_000
+    src: str | os.PathLike | bytes | Image.Image,
+    max_image_pixels: int = 100_000_000,
+    max_image_bytes: int = MAX_IMAGE_BYTES,
 ) -> Image.Image:
     """Decode an image to RGB with EXIF orientation applied; raises PreprocessError on bad input."""
-    return _decode(_read_source(src)[1], max_image_pixels)
+    return _decode(_read_source(src, max_image_bytes)[1], max_image_pixels)
 
 
 # ---------------------------------------------------------------- tiling
@@ -266,14 +292,18 @@ class PreprocessConfig:
     max_tiles_per_row: int | None = (
         None  # a row's images share it: each gets at most max_tiles_per_row // images
     )
+    max_image_bytes: int = MAX_IMAGE_BYTES  # an image file or bytes above this is an error row, never read
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_tiles <= self.max_tiles:
             raise ValueError(f"need 1 <= min_tiles <= max_tiles, got {self.min_tiles}, {self.max_tiles}")
         if self.max_tiles_per_row is not None and self.max_tiles_per_row < 1:
             raise ValueError(f"max_tiles_per_row must be >= 1, got {self.max_tiles_per_row}")
-        if min(self.image_size, self.num_image_token, self.max_input_tokens, self.max_image_pixels) < 1:
-            raise ValueError("image_size, num_image_token, max_input_tokens, max_image_pixels must be >= 1")
+        if min(self.image_size, self.num_image_token, self.max_input_tokens, self.max_image_pixels,
+               self.max_image_bytes) < 1:  # fmt: skip
+            raise ValueError(
+                "image_size, num_image_token, max_input_tokens, max_image_pixels, max_image_bytes must be >= 1"
+            )
         if self.overlong not in ("error", "truncate"):
             raise ValueError(f"overlong must be 'error' or 'truncate', got {self.overlong!r}")
         if self.template not in TEMPLATES:
@@ -359,7 +389,7 @@ class Preprocessor:
     def _pixels(self, image: Any, max_tiles: int) -> tuple[torch.Tensor, str]:
         """One image's tiles and its content key (the encoded file, or the pixels, and the tiling)."""
         c = self.cfg
-        data, img = _read_source(image)
+        data, img = _read_source(image, c.max_image_bytes)
         img = _decode(img, c.max_image_pixels)
         min_tiles = min(c.min_tiles, max_tiles)
         pixel_values = to_pixel_values(img, min_tiles, max_tiles, c.image_size, c.use_thumbnail)
@@ -395,6 +425,20 @@ class Preprocessor:
             keys.append((key, int(pv.shape[0])))
         return (tiles[0] if n == 1 else torch.cat(tiles)), tuple(keys)
 
+    def _bounded(self, prompt: str) -> str:
+        """A prompt too long in characters to fit max_input_tokens, refused (or cut, to truncate) before the
+        tokenizer sees it: tokenizing a 49 MB prompt took 6.5 GB."""
+        c = self.cfg
+        most = c.max_input_tokens * MAX_CHARS_PER_TOKEN
+        if len(prompt) <= most:
+            return prompt
+        if c.overlong != "truncate":
+            raise PreprocessError(
+                f"prompt has {len(prompt)} characters, more than max_input_tokens={c.max_input_tokens} tokens can "
+                f"hold (at most {MAX_CHARS_PER_TOKEN} characters each)"
+            )
+        return prompt[:most]  # the cut lies far past the tokens truncation keeps
+
     def __call__(self, prompt: str, image: Any) -> Prepared:
         """Prepare one row (`image`: a path, bytes, a PIL image, a list of them, or None); raises PreprocessError
         with the reason for a bad row."""
@@ -403,6 +447,7 @@ class Preprocessor:
             raise PreprocessError(f"prompt is not text: {type(prompt).__name__}")
         if prompt is None or not prompt.strip():
             raise PreprocessError("empty prompt")
+        prompt = self._bounded(prompt)
         if IMG_CONTEXT in prompt:
             raise PreprocessError(f"prompt contains the reserved image token {IMG_CONTEXT}")
         if isinstance(image, str) and not image.strip():

@@ -9,7 +9,9 @@ import datetime
 import logging
 import os
 import platform
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable
 from importlib import metadata
@@ -26,12 +28,16 @@ from batchvl.job import Job, JobError, job_for_fingerprint, job_to_dict, load_jo
 from batchvl.output import (
     PartWriter,
     ResumeError,
+    RunLock,
+    check_output_dir,
     check_resume,
     done_ids,
     fingerprint,
     format_summary,
+    quarantine_bad_parts,
     read_manifest,
     run_summary,
+    upgrade_layout,
     write_manifest,
     write_summary,
 )
@@ -105,6 +111,7 @@ def preprocess_config(job: Job, cfg: InternVLConfig) -> PreprocessConfig:
         overlong=p.overlong,
         max_image_pixels=p.max_image_pixels,
         max_tiles_per_row=p.max_tiles_per_row,
+        max_image_bytes=p.max_image_bytes,
     )
 
 
@@ -134,19 +141,75 @@ def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
-def _resume_decision(job: Job, ctx: dist.DistContext, job_fp: str, model_fp: str, model: dict) -> str:
-    """Rank 0 decides fresh/resume/overwrite (and deletes on overwrite); every rank gets the answer."""
+class Interrupted(Exception):
+    """SIGINT or SIGTERM stopped the job; its finished rows are written and the manifest says `interrupted`."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+class StopOnSignal:
+    """While active, SIGINT and SIGTERM ask the job to stop: before rows flow by raising Interrupted, after that by
+    setting `event` (the pipeline writes what is finished and stops). A second signal exits at once."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.signum: int | None = None
+        self.rows_flowing = False
+        self._old: dict[int, Any] = {}
+
+    def __enter__(self) -> StopOnSignal:
+        if threading.current_thread() is threading.main_thread():  # (signals reach the main thread only)
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.event.is_set():
+            os._exit(128 + signum)  # the second signal; workers die with this process
+        self.signum = signum
+        self.event.set()
+        log.warning("%s: stopping; finished rows are kept (signal again to exit at once)",
+                    signal.Signals(signum).name)  # fmt: skip
+        if not self.rows_flowing:
+            raise Interrupted(signum)
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+def _resume_decision(
+    job: Job, ctx: dist.DistContext, job_fp: str, model_fp: str, model: dict
+) -> tuple[str, RunLock | None]:
+    """Rank 0 checks the output dir, locks it, decides fresh/resume/overwrite (deleting on overwrite) and moves
+    parts that fail verification to quarantine; every rank gets the decision."""
     answer: tuple[str, str] = ("ok", "")
-    if ctx.is_main:
+    lock = RunLock(job.output.dir) if ctx.is_main else None
+    if lock is not None:
         try:
+            upgrade_layout(job.output.dir)  # an older layout's manifest.json is batchvl's own
+            check_output_dir(job.output.dir, job.output.overwrite)  # before the lock file goes in
+            lock.acquire()
             answer = ("ok", check_resume(job.output.dir, job_fp, model_fp, job.output.overwrite,
                                          job_for_fingerprint(job), model))  # fmt: skip
+            if answer[1] == "resume":
+                quarantine_bad_parts(job.output.dir, _fingerprints(job_fp, model_fp))
         except ResumeError as e:
+            lock.release()
             answer = ("error", str(e))
+        except BaseException:
+            lock.release()
+            raise
     kind, value = dist.broadcast_object(ctx, answer)
     if kind == "error":
         raise ResumeError(value)
-    return value
+    return value, lock
+
+
+def _fingerprints(job_fp: str, model_fp: str) -> dict[str, str]:
+    return {"job_fingerprint": job_fp, "model_fingerprint": model_fp}
 
 
 def run_job(
@@ -157,12 +220,13 @@ def run_job(
 ) -> dict | None:
     """Run `job` on this rank; rank 0 returns the summary of all rows in the output dir. `rows`: the rows of a job
     with data.format 'rows', dicts like a jsonl source's ({id, prompt, image}), images as paths, bytes or PIL
-    images (a list of them for several)."""
+    images (a list of them for several). Raises Interrupted on SIGINT / SIGTERM after writing the finished rows and
+    marking the manifest."""
     ctx = ctx or dist.DistContext()
     if (rows is not None) != (job.data.format == "rows"):
         raise JobError("job.data.format: 'rows' and run_job(job, rows=[...]) go together; got format "
                        f"{job.data.format!r} and {'no ' if rows is None else ''}rows")  # fmt: skip
-    m, out = job.model, job.output.dir
+    m = job.model
     if m.tp != ctx.tp:
         raise JobError(f"job.model.tp: {m.tp} but the process groups were built for tp={ctx.tp}")
     device = resolve_device(job, ctx)
@@ -171,7 +235,18 @@ def run_job(
     check_source(job.data)
     job_fp, model_fp = fingerprint(job_for_fingerprint(job)), model_fingerprint(job, cfg, dtype)
     model_desc = {"config": config_to_dict(cfg), "dtype": str(dtype)}
-    decision = _resume_decision(job, ctx, job_fp, model_fp, model_desc)
+    decision, lock = _resume_decision(job, ctx, job_fp, model_fp, model_desc)
+    try:
+        with StopOnSignal() as stop:
+            return _run(job, ctx, engine_factory, device, dtype, cfg, decision, stop, rows)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run(job: Job, ctx: dist.DistContext, engine_factory: Callable, device: torch.device, dtype: torch.dtype,
+         cfg: InternVLConfig, decision: str, stop: StopOnSignal, rows: Iterable[dict] | None) -> dict | None:  # fmt: skip
+    m, out = job.model, job.output.dir
     tok_path = m.tokenizer or m.path  # neither (a preset): the stand-in tokenizer of the preset's LLM
     tokenizer = load_tokenizer(tok_path, m.trust_remote_code, cfg.llm.arch)
     ctx_id = image_token_ids(tokenizer)["img_context"]
@@ -182,6 +257,7 @@ def run_job(
         )
     pre = Preprocessor(preprocess_config(job, cfg), tok_path, m.trust_remote_code, cfg.llm.arch)
     previous = (read_manifest(out) or {}) if decision == "resume" else {}
+    job_fp, model_fp = fingerprint(job_for_fingerprint(job)), model_fingerprint(job, cfg, dtype)
     manifest = {
         "job": job_to_dict(job),
         "job_fingerprint": job_fp,
@@ -206,6 +282,7 @@ def run_job(
     p = job.preprocess
     # workers warm up while the model loads
     prep = Preparer(pre, p.workers, p.prefetch, pin=device.type == "cuda")
+    load_s = warm_s = duration = 0.0
     try:
         t_load = time.perf_counter()
         engine = engine_factory(job, device, dtype, stop_token_ids(tokenizer), ctx)
@@ -236,25 +313,36 @@ def run_job(
             lockstep=ctx.tp > 1,
         )
         done = done_ids(out) if decision == "resume" else set()
-        writer = PartWriter(out, ctx.rank, job.output.rows_per_part) if ctx.is_writer else None
+        writer = (
+            PartWriter(out, ctx.rank, job.output.rows_per_part, fingerprints=_fingerprints(job_fp, model_fp))
+            if ctx.is_writer
+            else None
+        )
         total = count_rows(job.data, rows)
         shard_total = None if total is None else -(-total // ctx.num_replicas)
         prep.wait_warm()
         dist.barrier(ctx)
         t0 = time.perf_counter()
+        stop.rows_flowing = True
         desc = "rows" if ctx.num_replicas == 1 else f"rows (replica 0 of {ctx.num_replicas})"
         with tqdm(
             total=shard_total, desc=desc, unit="row", disable=not ctx.is_main, dynamic_ncols=True
         ) as bar:
-            counts = Pipeline(flow, write_rows(writer, run_number), t0, bar).run(
+            counts = Pipeline(flow, write_rows(writer, run_number), t0, bar, stop.event).run(
                 iter_rows(job.data, ctx.replica, ctx.num_replicas, rows), done, prep
             )
         if writer is not None:
-            writer.close()
+            writer.close()  # on a stop too: every finished row reaches disk
         duration = time.perf_counter() - t0
+    except Interrupted:
+        _mark_interrupted(ctx, manifest, _this_run(manifest, ctx, duration, load_s, warm_s, []))
+        raise
     finally:
-        prep.close()
+        prep.close(now=stop.event.is_set())
     log.info("rank done in %.1f s: %s", duration, counts)
+    if stop.event.is_set():  # no collectives: the other ranks may not have been signalled
+        _mark_interrupted(ctx, manifest, _this_run(manifest, ctx, duration, load_s, warm_s, [counts]))
+        raise Interrupted(stop.signum)
     if vit_stats is not None:  # compiles the warm-up did not foresee (e.g. a TP ViT's micro-batch sizes)
         counts = counts | {
             "vit_compile": vit_stats.summary(),
@@ -271,24 +359,36 @@ def run_job(
     dist.barrier(ctx)
     if not ctx.is_main:
         return None
-    runs = manifest["runs"] + [
-        {
-            "run": run_number,
-            "started_at": manifest["started_at"],
-            "ended_at": _now(),
-            "duration_s": duration,
-            "load_s": load_s,
-            "warm_up_s": warm_s,
-            "world_size": ctx.world_size,
-            "counts": all_counts,
-        }
-    ]
+    runs = manifest["runs"] + [_this_run(manifest, ctx, duration, load_s, warm_s, all_counts)]
     final = manifest | {"ended_at": runs[-1]["ended_at"], "status": "done", "runs": runs}
     summary = run_summary(out, final)
     write_summary(out, summary)
     write_manifest(out, final)
     click.echo(format_summary(summary))
     return summary
+
+
+def _this_run(manifest: dict, ctx: dist.DistContext, duration: float, load_s: float, warm_s: float,
+              counts: list) -> dict:  # fmt: skip
+    """This run's entry in the manifest's `runs`."""
+    return {
+        "run": manifest["runs_started"] - 1,  # its rows' `run`
+        "started_at": manifest["started_at"],
+        "ended_at": _now(),
+        "duration_s": duration,
+        "load_s": load_s,
+        "warm_up_s": warm_s,
+        "world_size": ctx.world_size,
+        "counts": counts,
+    }
+
+
+def _mark_interrupted(ctx: dist.DistContext, manifest: dict, run: dict) -> None:
+    """Rank 0: the manifest says `interrupted`, with this run's time (its finished rows are on disk)."""
+    if ctx.is_main:
+        runs = manifest["runs"] + [run | {"interrupted": True}]
+        write_manifest(manifest["job"]["output"]["dir"],
+                       manifest | {"ended_at": run["ended_at"], "status": "interrupted", "runs": runs})  # fmt: skip
 
 
 def _sampling(g: Any) -> Any:
@@ -323,6 +423,11 @@ def run_file(job_file: str, sets: tuple[str, ...] = (), overwrite: bool = False)
         return run_job(job, ctx)
     except (JobError, ResumeError, FileNotFoundError, MemoryError) as e:
         raise click.ClickException(str(e)) from None
+    except Interrupted as e:
+        click.echo(
+            f"{e}: finished rows are in {job.output.dir}; run the same command again to resume", err=True
+        )
+        raise SystemExit(128 + e.signum) from None
     finally:
         dist.shutdown(ctx)
 

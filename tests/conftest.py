@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from batchvl.preprocess import Preprocessor
+
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 IMG_CONTEXT_ID = 151667
@@ -275,3 +277,17 @@ def run_interpreted(code: str) -> None:
         [sys.executable, "-c", code], env=env, cwd=repo, capture_output=True, text=True, timeout=300
     )
     assert p.returncode == 0 and "ok" in p.stdout, p.stderr[-3000:]
+
+
+class HangingPreprocessor(Preprocessor):
+    """The prompt "hang" blocks its worker for 10 minutes (as reading a FIFO did), after touching the file named by
+    $BATCHVL_TEST_HANG. Defined here so that spawned workers can unpickle it."""
+
+    def __call__(self, prompt, image):
+        if prompt == "hang":
+            import os
+            import time
+
+            Path(os.environ["BATCHVL_TEST_HANG"]).touch()
+            time.sleep(600)
+        return super().__call__(prompt, image)

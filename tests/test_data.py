@@ -35,7 +35,7 @@ def jsonl(tmp_path: Path) -> Path:
 def test_jsonl_rows_ids_and_relative_images(jsonl):
     got = rows(DataSpec(format="jsonl", path=str(jsonl), allow_text_only=True))
     assert [(r.index, r.id, r.prompt) for r in got] == [
-        (0, "a", "first"), (1, "7", "numeric id"), (2, "2", "no id"), (3, "d", "fourth")
+        (0, "a", "first"), (1, "7", "numeric id"), (2, "#2", "no id"), (3, "d", "fourth")
     ]  # fmt: skip
     assert got[0].image == str(jsonl.parent / "imgs" / "a.png")  # relative to the data file's dir
     assert got[1].image is None and got[2].image == "/abs/b.png" and got[3].image is None
@@ -228,7 +228,7 @@ def test_hf_dataset_with_other_column_names_is_refused_naming_them(tmp_path):
 def test_a_row_without_an_image_fails_unless_text_only_rows_are_allowed(jsonl):
     spec = DataSpec(format="jsonl", path=str(jsonl))
     errors = {r.id: r.error for r in rows(spec)}
-    assert errors["a"] is None and errors["2"] is None  # (2: an image path, checked when it is read)
+    assert errors["a"] is None and errors["#2"] is None  # (#2: no id; an image path, checked when it is read)
     for rid in ("7", "d"):  # no image field, an empty one
         assert errors[rid] == (
             "no image (field 'image' is empty); set data.allow_text_only: true to run rows "
@@ -256,3 +256,54 @@ def test_several_images_per_row(tmp_path):
     ds.save_to_disk(str(tmp_path / "hf"))
     (row,) = rows(DataSpec(format="hf", path=str(tmp_path / "hf")))
     assert row.image == [png] * 3
+
+
+def _jsonl(tmp_path: Path, lines: list[str]) -> DataSpec:
+    p = tmp_path / "rows.jsonl"
+    p.write_text("".join(line + "\n" for line in lines))
+    return DataSpec(format="jsonl", path=str(p), allow_text_only=True)
+
+
+def test_ids_keep_the_sources_representation(tmp_path):
+    """Ints stay ints ("1", never "1.0"), big ints stay exact, floats read as JSON writes them (issue 27)."""
+    ids = ["1", "2.5", "9007199254740993", "9007199254740992", '"x y"', "-0", "1e3"]
+    spec = _jsonl(tmp_path, [f'{{"id": {i}, "prompt": "p"}}' for i in ids])
+    got = rows(spec)
+    assert [r.id for r in got] == ["1", "2.5", "9007199254740993", "9007199254740992", "x y", "0", "1000.0"]
+    assert all(r.error is None for r in got)
+
+
+def test_missing_null_and_empty_ids_never_collide_with_real_ids(tmp_path):
+    lines = ['{"id": null, "prompt": "a"}', '{"id": "0", "prompt": "b"}', '{"prompt": "c"}', '{"id": "", "prompt": "d"}',
+             '{"id": "#1", "prompt": "e"}', '{"id": true, "prompt": "f"}', '{"id": "True", "prompt": "g"}',
+             '{"id": [1], "prompt": "h"}', '{"id": "\\ud800", "prompt": "i"}']  # fmt: skip
+    got = rows(_jsonl(tmp_path, lines))
+    assert [(r.id, r.prompt) for r in got] == [("#0", "a"), ("0", "b"), ("#2", "c"), ("#3", "d"), ("#4", "e"),
+                                               ("#5", "f"), ("True", "g"), ("#7", "h"), ("#8", "i")]  # fmt: skip
+    errors = {r.id: r.error for r in got}
+    assert [errors[i] for i in ("#0", "0", "#2", "#3", "True")] == [None] * 5  # all of them run
+    assert "reserves" in errors["#4"] and "boolean" in errors["#5"]
+    assert "string or a number" in errors["#7"] and "UTF-8" in errors["#8"]
+    assert len({r.id for r in got}) == len(got)
+
+
+def test_malformed_jsonl_lines_become_error_rows_and_the_rest_runs(tmp_path):
+    lines = ['{"id": "a", "prompt": "p"}', "", "not json at all", "[1,2,3]", "42", '"\\ud800"', '{"id": "b", "prompt": "q"}',
+             '{"id": "c", "prompt": "r", "error": "a user column"}']  # fmt: skip
+    spec = _jsonl(tmp_path, lines)
+    check_source(spec)
+    got = rows(spec)
+    assert [r.id for r in got] == ["a", "#1", "#2", "#3", "#4", "b", "c"]
+    assert [r.error for r in (got[0], got[5])] == [None, None]
+    assert got[1].error.startswith("line 3: not valid JSON")
+    assert got[2].error == "line 4: expected a JSON object, got list"
+    assert got[3].error == "line 5: expected a JSON object, got int"
+    assert got[4].error == "line 6: expected a JSON object, got str"
+    assert got[6].error is None  # a record's own "error" field is data, not a parse failure
+    assert count_rows(spec) == 7
+
+
+def test_an_empty_jsonl_file_has_no_rows(tmp_path):
+    spec = _jsonl(tmp_path, [])
+    check_source(spec)  # not a traceback
+    assert rows(spec) == [] and count_rows(spec) == 0

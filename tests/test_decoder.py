@@ -12,7 +12,7 @@ from batchvl.engine import packed_meta
 from batchvl.llm.decode_step import decode_forward
 from batchvl.llm.decoder import Decoder
 from batchvl.llm.kv_cache import KVPool, blocks_for
-from batchvl.llm.sampling import sample
+from batchvl.llm.sampling import row_seed, sample, sample_rows
 from batchvl.model.loader import init_random, load_model
 from batchvl.ops.prefill_attention import prefill_backend
 
@@ -218,12 +218,50 @@ def test_internlm2_wqkv_matches_llama(tmp_path):
 
 def test_sampling_greedy_seeded_and_top_p():
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
-    assert torch.equal(sample(logits, 0.0, 1.0, None), logits.argmax(-1))
-    a = sample(logits, 1.0, 0.9, torch.Generator().manual_seed(7))
-    b = sample(logits, 1.0, 0.9, torch.Generator().manual_seed(7))
-    assert torch.equal(a, b)
+    seeds, steps = torch.tensor([row_seed(0, f"r{i}") for i in range(4)]), torch.zeros(4, dtype=torch.int64)
+    assert torch.equal(sample(logits, 0.0, 1.0, seeds, steps), logits.argmax(-1))
+    a = sample(logits, 1.0, 0.9, seeds, steps)
+    assert torch.equal(a, sample(logits, 1.0, 0.9, seeds, steps))
     # top_p tiny keeps only the arg-max token
-    assert torch.equal(sample(logits, 1.0, 1e-6, torch.Generator().manual_seed(1)), logits.argmax(-1))
+    assert torch.equal(sample(logits, 1.0, 1e-6, seeds, steps), logits.argmax(-1))
+
+
+def test_sampling_draws_each_token_with_its_probability():
+    """The exponential race over each row's own counter-based noise is a correct sampler: 40000 streams, one row of
+    known probabilities (with top-p cutting the tail)."""
+    logits = torch.log(torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03]))
+    n = 40000
+    seeds = torch.tensor([row_seed(3, str(i)) for i in range(n)])
+    for top_p, want in (
+        (1.0, [0.5, 0.25, 0.15, 0.07, 0.03]),
+        (0.85, [0.5 / 0.9, 0.25 / 0.9, 0.15 / 0.9, 0, 0]),
+    ):
+        got = sample(logits.expand(n, 5), 1.0, top_p, seeds, torch.full((n,), 7)).bincount(minlength=5) / n
+        assert (got - torch.tensor(want)).abs().max() < 0.01, (top_p, got)
+    steps = torch.arange(n)  # one stream, successive tokens: independent draws too
+    got = sample(logits.expand(n, 5), 1.0, 1.0, seeds[:1].expand(n), steps).bincount(minlength=5) / n
+    assert (got - logits.exp()).abs().max() < 0.01
+
+
+def test_a_rows_draws_do_not_depend_on_its_batch():
+    """sample_rows: each row's token depends on its own logits, seed and step only (issue 27: a resumed sampled run
+    differed from an uninterrupted one because the stream followed batch positions)."""
+    from types import SimpleNamespace
+
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(1))
+    hot = SimpleNamespace(temperature=1.0, top_p=0.95)
+    cold = SimpleNamespace(temperature=0.0, top_p=1.0)
+    settings = [hot, cold, hot, hot, SimpleNamespace(temperature=0.7, top_p=1.0), hot]
+    seeds, steps = [row_seed(0, f"r{i}") for i in range(6)], [0, 3, 1, 9, 2, 5]
+    together = sample_rows(logits, settings, seeds, steps).tolist()
+    alone = [sample_rows(logits[i : i + 1], settings[i : i + 1], seeds[i : i + 1], steps[i : i + 1]).item()
+             for i in range(6)]  # fmt: skip
+    order = [4, 0, 5, 2, 1, 3]
+    shuffled = sample_rows(logits[order], [settings[i] for i in order], [seeds[i] for i in order],
+                           [steps[i] for i in order]).tolist()  # fmt: skip
+    assert together == alone == [shuffled[order.index(i)] for i in range(6)]
+    other = sample_rows(logits, settings, [row_seed(1, f"r{i}") for i in range(6)], steps).tolist()
+    assert other != together  # the seed matters
 
 
 def test_random_init_shards_like_full():

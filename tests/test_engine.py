@@ -60,6 +60,26 @@ def test_batch_equals_each_alone():
     assert all(len(o) == 4 for o in batched)
 
 
+def test_sampled_rows_do_not_depend_on_their_batch():
+    """Each request samples from its own stream (its seed): batched, alone or in another order, the same tokens."""
+    from batchvl.llm.sampling import row_seed
+
+    model, cfg = _model()
+    eng = _engine(model, cfg)
+
+    def reqs(seed: int = 0):
+        out = _requests(Sampling(max_new_tokens=6, temperature=30.0, ignore_eos=True))
+        for i, r in enumerate(out):
+            r.seed = row_seed(seed, f"row{i}")
+        return out
+
+    batched = _tokens(eng, reqs())
+    assert batched == [_tokens(eng, [r])[0] for r in reqs()]
+    assert _tokens(eng, reqs()[::-1]) == batched[::-1]
+    assert batched != _tokens(eng, _requests(Sampling(max_new_tokens=6, ignore_eos=True)))  # it does sample
+    assert batched != _tokens(eng, reqs(seed=1))
+
+
 def test_prefix_cache_logits_close_to_full_prefill():
     """Tokens equal is weak evidence; compare the first-token logits too (new tokens after the shared blocks)."""
     model, cfg = _model()

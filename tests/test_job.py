@@ -186,8 +186,18 @@ def test_fingerprint_ignores_settings_that_keep_results(tmp_path, files):
     p = write_job(tmp_path, base(files))
     a = job_for_fingerprint(load_job(p))
     assert a == job_for_fingerprint(load_job(p, ["output.overwrite=true", "preprocess.workers=7"]))
+    # where the run is written and the engine's batch budgets do not change results (issue 27)
+    same = ["output.dir=/elsewhere/run", "output.rows_per_part=3", "engine.max_prefill_tokens=77",
+            "engine.max_vit_tiles=5"]  # fmt: skip
+    assert a == job_for_fingerprint(load_job(p, same))
     assert a != job_for_fingerprint(load_job(p, ["generation.max_new_tokens=5"]))
     json.dumps(a)  # plain data
+
+
+@pytest.mark.parametrize("where", ["/", "~/", str(Path.home()), "/tmp/.."])
+def test_output_dir_may_not_be_root_or_home(tmp_path, files, where):
+    with pytest.raises(JobError, match="job.output.dir: .* is / or the home directory"):
+        load_job(write_job(tmp_path, base(files)), [f"output.dir={where}"])
 
 
 def test_shipped_job_files_validate(tmp_path, files, monkeypatch):

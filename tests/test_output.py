@@ -204,8 +204,10 @@ def test_check_resume(tmp_path):
     assert check_resume(tmp_path, "j2", "m2", overwrite=True) == "overwrite"
     assert read_manifest(tmp_path) is None and done_ids(tmp_path) == set()
     assert (tmp_path / "keep.txt").exists()
-    with pytest.raises(ResumeError, match="not a batchvl run dir"):  # what is left is not a run's
+    with pytest.raises(ResumeError, match=r"not empty and not a batchvl run \(it holds keep.txt\)"):
         check_resume(tmp_path, "j2", "m2", overwrite=False)
+    (tmp_path / "keep.txt").unlink()
+    assert check_resume(tmp_path, "j2", "m2", overwrite=False) == "fresh"
 
 
 def test_a_changed_job_is_refused_naming_the_keys_and_the_flag(tmp_path):
@@ -229,8 +231,8 @@ def test_a_folder_of_other_files_is_refused_and_overwrite_deletes_only_ours(tmp_
     (tmp_path / ".DS_Store").write_bytes(b"")
     with pytest.raises(
         ResumeError,
-        match=r"is not a batchvl run dir and is not empty \(3 entries: a.jpg, b.jpg, "
-        r"notes.txt\); choose a new or empty output.dir, or pass --overwrite",
+        match=r"is not empty and not a batchvl run \(it holds a.jpg, b.jpg, notes.txt\); use an empty or new "
+        r"output dir, or pass --overwrite",
     ):
         check_resume(tmp_path, "j", "m", overwrite=False)
     assert check_resume(tmp_path, "j", "m", overwrite=True) == "fresh"
@@ -266,7 +268,7 @@ def test_an_older_layout_is_upgraded_and_read_as_a_dataset(tmp_path):
     other = tmp_path / "other"
     other.mkdir()
     (other / "manifest.json").write_text("{}")  # not batchvl's: left alone
-    with pytest.raises(ResumeError, match="not a batchvl run dir"):
+    with pytest.raises(ResumeError, match="not a batchvl run"):
         check_resume(other, "j", "m", overwrite=False)
     assert (other / "manifest.json").exists()
 

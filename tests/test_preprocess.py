@@ -428,3 +428,71 @@ def test_preprocessor_pickles_without_tokenizer(pre):
     assert len(blob) < 10_000
     clone = pickle.loads(blob)
     assert clone("hello", noise_image(64, 64)).input_ids == pre("hello", noise_image(64, 64)).input_ids
+
+
+def _in_thread(fn, timeout: float = 10.0):
+    """fn()'s result or exception, failing the test (not hanging it) when fn blocks."""
+    import threading
+
+    box: dict = {}
+
+    def target():
+        try:
+            box["out"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed back to the test
+            box["err"] = e
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), "blocked"
+    return box
+
+
+def test_devices_fifos_dirs_and_oversized_files_are_refused_before_reading(pre, tmp_path):
+    """/dev/zero never ends and a FIFO blocks forever: both must fail at once (issue 27)."""
+    fifo = tmp_path / "pipe.png"
+    os.mkfifo(fifo)
+    for path in ("/dev/zero", str(fifo), str(tmp_path)):
+        box = _in_thread(lambda p=path: pre("q", p))
+        assert isinstance(box.get("err"), PreprocessError) and "not a regular file" in str(box["err"]), path
+    big = tmp_path / "big.png"
+    with open(big, "wb") as f:
+        f.truncate(3 * 2**20)  # sparse: its size says too large, nothing needs to be read
+    small = Preprocessor(PreprocessConfig(max_image_bytes=2**20))
+    with pytest.raises(PreprocessError, match=r"has 3145728 bytes > preprocess.max_image_bytes=1048576"):
+        small("q", str(big))
+    with pytest.raises(PreprocessError, match="max_image_bytes"):
+        small("q", b"\0" * (2**20 + 1))
+    ok = tmp_path / "ok.png"
+    ok.write_bytes(encode(noise_image(32, 32)))
+    assert small("q", str(ok)).num_tiles == 1
+
+
+class _CountingTokenizer:
+    """The real tokenizer, recording the length of every text it is asked to encode."""
+
+    def __init__(self, tok):
+        self.tok, self.lengths = tok, []
+
+    def __call__(self, text, **kw):
+        self.lengths.append(len(text))
+        return self.tok(text, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+
+def test_a_huge_prompt_is_refused_or_cut_without_tokenizing_it_whole(tok):
+    """A prompt of a few MB (the 49 MB case of issue 27, smaller): rejected from its length in characters."""
+    huge = "word " * 1_000_000  # 5 MB
+    for overlong in ("error", "truncate"):
+        pre = Preprocessor(PreprocessConfig(max_input_tokens=1000, overlong=overlong))
+        pre._tok, pre._ctx_id = _CountingTokenizer(tok), tok.convert_tokens_to_ids(IMG_CONTEXT)
+        if overlong == "error":
+            with pytest.raises(PreprocessError, match=r"5000000 characters, more than max_input_tokens=1000"):
+                pre(huge, None)
+            assert pre._tok.lengths == []  # never tokenized
+        else:
+            assert len(pre(huge, None).input_ids) == 1000
+            assert max(pre._tok.lengths) <= 1000 * pp.MAX_CHARS_PER_TOKEN + 500  # the cut question + template

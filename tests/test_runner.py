@@ -273,7 +273,7 @@ def test_a_missing_column_or_a_foreign_output_dir_stops_the_job_before_it_starts
     photos = tmp_path / "photos"
     photos.mkdir()
     (photos / "cat.jpg").write_bytes(b"jpeg")
-    with pytest.raises(ResumeError, match="is not a batchvl run dir and is not empty"):
+    with pytest.raises(ResumeError, match="is not empty and not a batchvl run"):
         run_job(_small_job(tmp_path, f"output.dir={photos}"), engine_factory=fake_factory)
     assert [p.name for p in photos.iterdir()] == ["cat.jpg"]
 
