@@ -135,12 +135,11 @@ def to_fp8(root: nn.Module, names: list[str]) -> None:
         parent, _, attr = name.rpartition(".")
         owner = root.get_submodule(parent)
         lin = getattr(owner, attr)
-        if (
-            lin._forward_hooks or lin._forward_pre_hooks
-        ):  # e.g. a tensor-parallel all-reduce: it would be lost
+        if not isinstance(lin, nn.Linear):
+            continue
+        if lin._forward_hooks or lin._forward_pre_hooks:  # e.g. tensor parallelism's all-reduce: lost
             raise ValueError(f"{name} has forward hooks; FP8 linears cannot take them over")
-        if isinstance(lin, nn.Linear):
-            setattr(owner, attr, Fp8Linear.from_linear(lin))
+        setattr(owner, attr, Fp8Linear.from_linear(lin))
 
 
 def dequantized_weight(lin: Fp8Linear) -> Tensor:
