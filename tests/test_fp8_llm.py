@@ -212,6 +212,11 @@ def test_random_fp8_model_is_the_quantized_random_model() -> None:
     assert fp8 == {f"llm.layers.{i}.{n}.weight" for i in range(2) for n in LLM_LINEARS}
     for i in range(2):  # never zeros
         assert (a.llm.layers[i].mlp.gate_up.weight.float() != 0).float().mean() > 0.9
+    # what the model holds is what the memory plan counts: e4m3 linears and their scales, the rest in fp32 here
+    plan = memory_plan(a.cfg, torch.float32, "fp8")
+    held = {k: t.numel() * t.element_size() for k, t in a.state_dict().items()}
+    linears = sum(v for k, v in held.items() if k in fp8 or k.removesuffix("_scale") in fp8)
+    assert linears == plan.llm_linears and sum(held.values()) == plan.weights
 
 
 def test_quantized_at_load_one_tensor_at_a_time(hf_model_dir, monkeypatch) -> None:
