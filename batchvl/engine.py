@@ -24,7 +24,9 @@ from batchvl.llm.decode_step import DecodeStep, row_bucket
 from batchvl.llm.kv_cache import KVPool, blocks_for
 from batchvl.llm.sampling import row_seed, sample_rows
 from batchvl.model.internvl import InternVL
+from batchvl.model.memory import MIN_PREFILL_TOKENS, activation_bytes
 from batchvl.ops.decode_attention import BLOCK
+from batchvl.ops.fp8 import Fp8Linear
 from batchvl.ops.prefill_attention import PER_SEQ_MIN_MEAN, AttnMeta, prefill_backend
 
 IMAGE_CACHE_ENTRIES = 64  # images' features kept by the image cache
@@ -165,14 +167,10 @@ class Engine:
 
     # ---- memory ------------------------------------------------------------------------------------------------
     def activation_bytes(self, prefill_tokens: int | None = None) -> int:
-        """Rough peak of one prefill batch of `prefill_tokens` (default: the engine's budget) or one ViT call (the
-        MLPs dominate)."""
-        c, v, el = self.cfg.llm, self.cfg.vision, torch.empty((), dtype=self.dtype).element_size()
-        llm_act = (
-            (prefill_tokens or self.max_prefill_tokens) * (3 * c.intermediate_size + 6 * c.hidden_size) * el
-        )
-        tokens = self.settings.max_vit_tiles * (v.num_patches + 1)
-        return max(llm_act, tokens * (2 * v.intermediate_size + 6 * v.hidden_size) * el)
+        """Rough peak of one prefill batch of `prefill_tokens` (default: the engine's budget) or one ViT call."""
+        fp8 = isinstance(self.model.llm.layers[0].mlp.down, Fp8Linear)
+        return activation_bytes(self.cfg, self.dtype, prefill_tokens or self.max_prefill_tokens,
+                                self.settings.max_vit_tiles, "fp8" if fp8 else "none")  # fmt: skip
 
     def _auto_prefill_tokens(self) -> int:
         """The prefill budget when the job leaves it to batchvl: 32768 tokens, less where their activations would take
@@ -180,7 +178,9 @@ class Engine:
         if self.device.type != "cuda":
             return 16384
         free, _ = torch.cuda.mem_get_info(self.device)
-        return next((n for n in (32768, 16384, 8192) if self.activation_bytes(n) <= free // 4), 4096)
+        return next(
+            (n for n in (32768, 16384, 8192) if self.activation_bytes(n) <= free // 4), MIN_PREFILL_TOKENS
+        )
 
     def _auto_pool_bytes(self) -> int:
         """What the pool may take: off CUDA a fixed size; on CUDA 90% of the free memory less the activations."""

@@ -18,6 +18,7 @@ import yaml
 DATA_FORMATS = ("jsonl", "sharegpt", "parquet", "imagefolder", "hf", "demo", "rows")  # rows: given to run_job
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 DEVICES = ("auto", "cpu", "cuda")
+QUANTIZATIONS = ("none", "fp8")
 
 
 class JobError(ValueError):
@@ -37,6 +38,7 @@ class ModelSpec:
     device: str = "auto"
     trust_remote_code: bool = False
     tp: int = 1
+    quantization: str = "none"  # fp8: the LLM decoder linears in FP8 e4m3 (GPU compute capability >= 8.9)
 
 
 @dataclass
@@ -292,6 +294,10 @@ def _validate(job: Job) -> None:
     _choice(m.dtype, DTYPES, "job.model.dtype")
     _choice(m.device, DEVICES, "job.model.device")
     _at_least(m.tp, 1, "job.model.tp")
+    _choice(m.quantization, QUANTIZATIONS, "job.model.quantization")
+    if m.quantization != "none" and m.tp > 1:
+        raise JobError(f"job.model.quantization: {m.quantization} runs the LLM on one GPU per replica; use "
+                       f"model.tp: 1 (got tp {m.tp}) or quantization: none")  # fmt: skip
 
     _choice(d.format, DATA_FORMATS, "job.data.format")
     if d.format in ("demo", "rows"):

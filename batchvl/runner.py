@@ -69,6 +69,16 @@ def resolve_dtype(job: Job, device: torch.device) -> torch.dtype:
     return DTYPES[job.model.dtype]
 
 
+def check_quantization(job: Job, device: torch.device, ctx: dist.DistContext) -> None:
+    """Refuse, before anything loads, a model.quantization this device cannot run (e.g. fp8 on a CPU)."""
+    from batchvl.model.build import check_quantization as check
+
+    try:
+        check(job.model, device, ctx.tp)
+    except ValueError as e:
+        raise JobError(f"job.{e}") from None
+
+
 def model_config(job: Job) -> InternVLConfig:
     """The model's config without loading weights."""
     return load_config(job.model.path) if job.model.path else from_preset(job.model.preset)
@@ -77,6 +87,8 @@ def model_config(job: Job) -> InternVLConfig:
 def model_fingerprint(job: Job, cfg: InternVLConfig, dtype: torch.dtype) -> str:
     m = job.model
     source = {"path": m.path} if m.path else {"preset": m.preset, "weights": m.weights, "seed": m.seed}
+    if m.quantization != "none":  # (absent when none: run dirs of earlier versions keep their fingerprint)
+        source["quantization"] = m.quantization
     return fingerprint({"config": config_to_dict(cfg), "source": source, "dtype": str(dtype)})
 
 
@@ -231,6 +243,7 @@ def run_job(
         raise JobError(f"job.model.tp: {m.tp} but the process groups were built for tp={ctx.tp}")
     device = resolve_device(job, ctx)
     dtype = resolve_dtype(job, device)
+    check_quantization(job, device, ctx)
     cfg = model_config(job)
     check_source(job.data)
     job_fp, model_fp = fingerprint(job_for_fingerprint(job)), model_fingerprint(job, cfg, dtype)

@@ -31,9 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import tile_flops  # noqa: E402
 
 from batchvl.config import InternVLConfig, from_preset  # noqa: E402
-from batchvl.encoder.fp8 import fp8_vit, quantize_rows  # noqa: E402
+from batchvl.encoder.fp8 import fp8_vit  # noqa: E402
 from batchvl.encoder.internvit import VisionEncoder  # noqa: E402
 from batchvl.encoder.internvit_compiled import CompiledEncoder  # noqa: E402
+from batchvl.ops.fp8 import quantize_rows  # noqa: E402
 from batchvl.ops.sdpa import sdpa_context  # noqa: E402
 
 # model name -> preset giving the vision tower and the projector's output width (the largest LLM it feeds)

@@ -20,13 +20,14 @@ REPO = Path(__file__).resolve().parents[1]
         ("e2e.py", ["--set", "engine.image_cache=true", "--set", "engine.prefix_cache=true"]),
         ("vit.py", ["--fp8", "--rounds", "2"]),
         ("gpu_parity.py", []),
+        ("gpu_parity.py", ["--fp8"]),
     ],
-    ids=["e2e", "e2e-caches", "vit-fp8", "gpu-parity"],
+    ids=["e2e", "e2e-caches", "vit-fp8", "gpu-parity", "gpu-parity-fp8"],
 )
 def test_bench_smoke(script, extra):
     data = [REPO / ".data", REPO.parent / "shared" / "data"]
-    if script == "e2e.py" and not any((d / "tiger.jpeg").is_file() for d in data):
-        pytest.skip("e2e needs tiger.jpeg and the ShareGPT sample (../shared/data)")
+    if (script == "e2e.py" or "--fp8" in extra) and not any((d / "tiger.jpeg").is_file() for d in data):
+        pytest.skip(f"{script} {' '.join(extra)} needs tiger.jpeg and the ShareGPT sample (../shared/data)")
     # gpu_parity's compiled rows run eagerly here (TORCHDYNAMO_DISABLE): the CPU tests hold compiled = eager already,
     # and compiling its several models on a CPU takes minutes
     env = {**os.environ, "TORCHDYNAMO_DISABLE": "1"} if script == "gpu_parity.py" else None
@@ -37,11 +38,15 @@ def test_bench_smoke(script, extra):
     if script == "e2e.py":
         assert "| batchvl run1 |" in p.stdout and "| transformers b=2 |" in p.stdout
         assert "greedy tokens batchvl run1 == transformers b=2: 32/32" in p.stdout
-    if "--fp8" in extra:
+    if script == "vit.py" and "--fp8" in extra:
         assert "| ours-fp8 |" in p.stdout and "ours-fp8 vs ours-compiled (bf16) features" in p.stdout
     if script == "vit.py":
         assert "| ours-compiled |" in p.stdout and "| hf-sdpa-compiled |" in p.stdout
-    if script == "gpu_parity.py":  # every check ran (the tiny model's numbers are not held)
+    if script == "gpu_parity.py" and "--fp8" in extra:  # FP8 vs bf16: every check ran, on seed job prompts
+        assert "3 seed prompts" in p.stdout and "greedy first 32 tokens compiled FP8 == eager FP8" in p.stdout
+        assert "| tiny-qwen2 (2 layers) | FP8 linear (_scaled_mm) vs its dequantized" in p.stdout
+        assert "FAIL" not in p.stdout
+    elif script == "gpu_parity.py":  # every check ran (the tiny model's numbers are not held)
         assert (
             "| tiny-qwen2 | decode attention op" in p.stdout and "greedy tokens default + caches" in p.stdout
         )

@@ -10,10 +10,11 @@ import pytest
 import torch
 from test_internvit import build_pair
 
-from batchvl.encoder.fp8 import FP8_MAX, Fp8Linear, dequantized_weight, fp8_vit, quantize_rows
+from batchvl.encoder.fp8 import fp8_vit
 from batchvl.encoder.internvit_compiled import CompiledEncoder
 from batchvl.job import EngineSpec
 from batchvl.model.build import vision_encoder
+from batchvl.ops.fp8 import FP8_MAX, Fp8Linear, dequantized_weight, quantize_rows
 
 
 def test_quantize_rows_scales_each_row_to_the_e4m3_range() -> None:
@@ -35,7 +36,7 @@ def test_fp8_linear_equals_its_dequantized_product() -> None:
     """_scaled_mm with row-wise scales == (dequantized x) @ (dequantized w)^T in fp32, rounded to bf16, + bias."""
     torch.manual_seed(1)
     lin = torch.nn.Linear(64, 48)
-    f8 = Fp8Linear(lin)
+    f8 = Fp8Linear.from_linear(lin)
     x = torch.randn(2, 5, 64)
     xq, xs = quantize_rows(x.reshape(-1, 64))
     want = ((xq.float() * xs) @ dequantized_weight(f8).t()).to(torch.bfloat16).float() + lin.bias
@@ -49,7 +50,7 @@ def test_fp8_linear_equals_its_dequantized_product() -> None:
 
 def test_fp8_linear_refuses_shapes_scaled_mm_cannot_take() -> None:
     with pytest.raises(ValueError, match="divisible by 16"):
-        Fp8Linear(torch.nn.Linear(64, 40))
+        Fp8Linear.from_linear(torch.nn.Linear(64, 40))
 
 
 def test_fp8_vit_swaps_the_layer_linears_only() -> None:

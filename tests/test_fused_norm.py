@@ -12,10 +12,10 @@ import torch
 from conftest import run_interpreted
 from test_internvit import build_pair
 
-from batchvl.encoder.fp8 import Fp8Linear
 from batchvl.encoder.internvit_compiled import CompiledEncoder, fast_forward_inplace, fold_scales
 from batchvl.job import EngineSpec
 from batchvl.model.build import vision_encoder
+from batchvl.ops.fp8 import Fp8Linear
 
 ATOL, RTOL = 1e-5, 1e-4
 

@@ -14,6 +14,7 @@ from torch import nn
 from batchvl.config import LLMConfig
 from batchvl.llm.kv_cache import KVPool
 from batchvl.ops.decode_attention import decode_attention
+from batchvl.ops.fp8 import Fp8Linear, fp8_linear, to_fp8
 from batchvl.ops.norm import RMSNorm
 from batchvl.ops.prefill_attention import AttnMeta, prefill_attention
 
@@ -34,6 +35,14 @@ def mm_float_out_ok(h: torch.Tensor) -> bool:
         except (RuntimeError, TypeError, NotImplementedError):
             _MM_FLOAT_OUT[h.device] = False
     return _MM_FLOAT_OUT[h.device]
+
+
+def linear_rows(lin: nn.Module, x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """`lin(x)[..., lo:hi]`, computing only those output features (an `nn.Linear` or an `Fp8Linear`)."""
+    b = lin.bias[lo:hi] if lin.bias is not None else None
+    if isinstance(lin, Fp8Linear):
+        return fp8_linear(x, lin.weight[lo:hi], lin.weight_scale[:, lo:hi], b)
+    return F.linear(x, lin.weight[lo:hi], b)
 
 
 class Rotary(nn.Module):
@@ -107,13 +116,12 @@ class Attention(nn.Module):
         attend to their sequences' keys there (`meta.block_table`, `meta.kv_lens`)."""
         t, n = x.shape[0], last.shape[0]
         q_sz, kv_sz = self.n_heads * self.head_dim, self.n_kv * self.head_dim
-        w, b = self.qkv.weight, self.qkv.bias
-        k, v = F.linear(x, w[q_sz:], b[q_sz:] if b is not None else None).split([kv_sz, kv_sz], dim=-1)
+        k, v = linear_rows(self.qkv, x, q_sz, q_sz + 2 * kv_sz).split([kv_sz, kv_sz], dim=-1)
         k = apply_rope(k.view(t, self.n_kv, self.head_dim), cos, sin)  # [T, kv_heads, head_dim]
         kc, vc = kv
         kc[meta.slot_b, :, meta.slot_pos] = k
         vc[meta.slot_b, :, meta.slot_pos] = v.view(t, self.n_kv, self.head_dim)
-        q = F.linear(x[last], w[:q_sz], b[:q_sz] if b is not None else None)  # [B, heads * head_dim]
+        q = linear_rows(self.qkv, x[last], 0, q_sz)  # [B, heads * head_dim]
         q = apply_rope(q.view(n, self.n_heads, self.head_dim), cos[last], sin[last])
         o = decode_attention(q, kc, vc, meta.kv_lens, meta.block_table)  # [B, heads, head_dim]
         return self.o_proj(o.reshape(n, q_sz))
@@ -221,3 +229,13 @@ class Decoder(nn.Module):
         if mm_float_out_ok(h):
             return torch.mm(h, w.t(), out_dtype=torch.float32)[:, :v]  # [T, V_padded] -> [T, V]
         return F.linear(h, w)[:, :v].float()
+
+
+LLM_LINEARS = ("attn.qkv", "attn.o_proj", "mlp.gate_up", "mlp.down")
+
+
+def fp8_llm(llm: Decoder) -> Decoder:
+    """Swap the four linears of every decoder layer for `Fp8Linear`s, in place (on the meta device: empty, for the
+    loader to fill); embeddings, norms and lm_head stay as they are. Returns `llm`."""
+    to_fp8(llm, [f"layers.{i}.{n}" for i in range(len(llm.layers)) for n in LLM_LINEARS])
+    return llm

@@ -15,12 +15,15 @@ from typing import Any
 import torch
 
 from batchvl import dist
+from batchvl.config import from_preset, load_config
 from batchvl.encoder.internvit_compiled import CompiledEncoder
 from batchvl.encoder.split_overlap import DPVisionEncoder, TPVisionEncoder, choose_vit_mode
 from batchvl.job import EngineSpec, ModelSpec
 from batchvl.llm.decoder import Decoder
 from batchvl.model.internvl import InternVL
 from batchvl.model.loader import load_model, random_model
+from batchvl.model.memory import MIN_PREFILL_TOKENS, check_fits, memory_plan
+from batchvl.ops.fp8 import fp8_unsupported
 
 log = logging.getLogger(__name__)
 TP_VIT_MICRO_BATCHES = (
@@ -47,6 +50,14 @@ def build_model(
     tiles [N, 3, S, S] -> image tokens [N, 256, hidden]."""
     if not settings.eager:
         use_compile_cache(settings.cache_dir)
+    tp = ctx.tp if ctx is not None else 1
+    check_quantization(spec, device, tp)
+    if device.type == "cuda":  # refuse what cannot fit before loading anything
+        cfg = load_config(spec.path) if spec.path else from_preset(spec.preset)
+        budget = settings.max_prefill_tokens or MIN_PREFILL_TOKENS
+        plan = memory_plan(cfg, dtype, spec.quantization, budget, settings.max_vit_tiles, tp)
+        what = f"{spec.path or spec.preset} ({str(dtype).removeprefix('torch.')}, quantization {spec.quantization})"
+        check_fits(plan, torch.cuda.mem_get_info(device)[0], what)
     hooks: dict[str, Any] = {}
     if ctx is not None and ctx.tp > 1:  # the ViT stays whole on every rank of the replica
         from batchvl.llm.tp import shard_llm
@@ -54,12 +65,28 @@ def build_model(
         fns: dict[str, Callable] = {}
         hooks["prepare"] = lambda model: fns.update(s=shard_llm(model.llm, ctx.tp_rank, ctx.tp, ctx.tp_group))
         hooks["shard"] = lambda name, t: fns["s"](name, t)
+    q = spec.quantization
     if spec.path:
-        model, _ = load_model(spec.path, device, dtype, trust_remote_code=spec.trust_remote_code, **hooks)
+        model, _ = load_model(spec.path, device, dtype, spec.trust_remote_code, quantization=q, **hooks)
     else:
-        model, _ = random_model(spec.preset, device, dtype, seed=spec.seed, **hooks)
+        model, _ = random_model(spec.preset, device, dtype, seed=spec.seed, quantization=q, **hooks)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the load's transient copies go back: the KV pool is sized from what is free
     prepare_llm(model.llm, compile=not settings.eager and device.type == "cuda")
     return model, vision_encoder(model, settings, ctx)
+
+
+def check_quantization(spec: ModelSpec, device: torch.device, tp: int) -> None:
+    """ValueError naming model.quantization when this device (or tensor parallelism) cannot run it."""
+    if spec.quantization == "none":
+        return
+    if tp > 1:
+        raise ValueError(
+            f"model.quantization: {spec.quantization} runs the LLM on one GPU per replica; use model.tp: 1"
+        )
+    why = fp8_unsupported(device)
+    if why:
+        raise ValueError(f"model.quantization: fp8 cannot run here: {why}. Use quantization: none")
 
 
 def prepare_llm(llm: Decoder, compile: bool) -> None:

@@ -3,6 +3,12 @@
 The model is built on the meta device; each tensor is read, re-keyed (fused qkv, gate/up, InternLM2's packed
 wqkv unpacked) and copied straight to its device and dtype. A `shard` hook lets a tensor-parallel rank keep
 only its slice of each tensor.
+
+`quantization="fp8"` makes the decoder layers' linears `Fp8Linear`s on the meta model; each of their weights is
+quantized on the device as it is read (or drawn), so the host holds one tensor at a time and the device never holds
+the full-precision model. Checkpoints already in FP8 (compressed-tensors / vLLM `fp8` layout: `*.weight` in e4m3
+plus `*.weight_scale`, per output channel or per tensor) load as they are; their FP8 tensors for a parameter that is
+not FP8 here are dequantized.
 """
 
 from __future__ import annotations
@@ -17,7 +23,15 @@ import torch
 from safetensors import safe_open
 
 from batchvl.config import InternVLConfig, from_preset, load_config
+from batchvl.job import QUANTIZATIONS
+from batchvl.llm.decoder import fp8_llm
 from batchvl.model.internvl import InternVL
+from batchvl.ops.fp8 import FP8, dequantize
+
+FP8_METHODS = (
+    "fp8",
+    "compressed-tensors",
+)  # quantization_config.quant_method of the FP8 checkpoints that load
 
 ShardFn = Callable[[str, torch.Tensor], torch.Tensor]
 
@@ -179,12 +193,58 @@ def build_empty(cfg: InternVLConfig) -> InternVL:
         return InternVL(cfg)
 
 
-def _materialize(model: InternVL, device: torch.device, dtype: torch.dtype) -> None:
+def _materialize(
+    model: InternVL, device: torch.device, dtype: torch.dtype, quantization: str = "none"
+) -> None:
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization {quantization!r} is not one of {', '.join(QUANTIZATIONS)}")
     model.to(dtype)  # still on meta: allocate in the target dtype, not float32 first
+    if quantization == "fp8":
+        fp8_llm(model.llm)  # still on meta: e4m3 weights and fp32 scales, filled as each tensor is read
     model.to_empty(device=device)
     model.llm.rotary.reset(device)
     if model.cfg.llm.tie_word_embeddings:
         model.llm.lm_head.weight = model.llm.embed_tokens.weight
+
+
+@torch.no_grad()
+def _store(model: InternVL, name: str, p: torch.Tensor, t: torch.Tensor) -> None:
+    """Copy the full-precision tensor t (any device) into parameter `name`; an FP8 weight is quantized from it, on
+    its own device."""
+    if p.dtype == FP8:
+        model.get_submodule(name.rpartition(".")[0]).quantize_from(t)
+    else:
+        p.copy_(t.to(device=p.device, dtype=p.dtype))
+
+
+def _row_scales(s: torch.Tensor, rows: int, key: str) -> torch.Tensor:
+    """A checkpoint's FP8 weight scale -> fp32 [rows, 1]: per output channel ([rows, 1] or [rows]) or per tensor."""
+    if s.numel() == 1:
+        return s.float().reshape(1, 1).expand(rows, 1)
+    if s.numel() == rows and s.shape[-1] in (rows, 1):
+        return s.float().reshape(rows, 1)
+    raise CheckpointError(
+        f"{key}: FP8 scale of shape {tuple(s.shape)} for {rows} rows; batchvl reads per-tensor and "
+        f"per-output-channel scales, not block-wise ones"
+    )
+
+
+def checkpoint_quantization(path: Path) -> str | None:
+    """'fp8' when config.json names an FP8 quantization_config (top level or the LLM's), None when it names none;
+    CheckpointError for another method."""
+    cfg = json.loads((path / "config.json").read_text())
+    q = cfg.get("quantization_config") or (cfg.get("llm_config") or cfg.get("text_config") or {}).get(
+        "quantization_config"
+    )
+    if not q:
+        return None
+    method = q.get("quant_method")
+    if method not in FP8_METHODS:
+        raise CheckpointError(
+            f"{path}: quantization_config.quant_method {method!r}; batchvl loads FP8 checkpoints "
+            f"({' or '.join(FP8_METHODS)}, e4m3 weights with weight_scale) and unquantized ones"
+        )
+    return "fp8"
 
 
 def load_model(
@@ -194,11 +254,14 @@ def load_model(
     trust_remote_code: bool = False,
     shard: ShardFn | None = None,
     prepare: Callable[[InternVL], None] | None = None,
+    quantization: str = "none",
 ) -> tuple[InternVL, InternVLConfig]:
-    """Load a checkpoint directory. `prepare(model)` runs on the meta model (e.g. TP sharding) before loading."""
+    """Load a checkpoint directory. `prepare(model)` runs on the meta model (e.g. TP sharding) before loading.
+    quantization "fp8": the decoder layers' linears in FP8 (quantized at load, or as the checkpoint has them)."""
     del trust_remote_code  # batchvl's own modules are used; no checkpoint code is ever run
     path, device = Path(path), torch.device(device)
     cfg = load_config(path)
+    checkpoint_quantization(path)  # refuses quantization methods batchvl cannot read
     reader = _Reader(path)
     keys = reader.keys()
     if cfg.image_token_id < 0:
@@ -208,35 +271,11 @@ def load_model(
         prepare(model)
     recipes = plan(model, keys)
     used: set[str] = set()
-    _materialize(model, device, dtype)
-    params = dict(model.named_parameters())
+    _materialize(model, device, dtype, quantization)
     for name, r in recipes.items():
         if name == "llm.lm_head.weight" and cfg.llm.tie_word_embeddings:
             continue
-        missing = [s for s in r.sources if s not in keys]
-        if missing:
-            raise CheckpointError(f"{name}: missing tensor(s) {', '.join(missing)} in {path}")
-        parts = [reader.get(s) for s in r.sources]
-        for s, t in zip(r.sources, parts, strict=True):
-            if not t.is_floating_point():
-                raise CheckpointError(f"{s}: dtype {t.dtype} is not a floating-point weight")
-        used.update(r.sources)
-        if r.combine == "wqkv":
-            c = cfg.llm
-            t = _unpack_wqkv(parts[0], c.num_heads, c.num_kv_heads, c.head_dim)
-        elif r.combine == "cat":
-            t = torch.cat(parts, 0)
-        else:
-            t = parts[0]
-        if shard is not None:
-            t = shard(name, t)
-        p = params[name]
-        if t.shape != p.shape:
-            raise CheckpointError(
-                f"{name} (from {', '.join(r.sources)}): shape {tuple(t.shape)} != {tuple(p.shape)}"
-            )
-        with torch.no_grad():
-            p.copy_(t.to(device=device, dtype=dtype))
+        used.update(_load_param(model, name, r, reader, cfg, shard))
     ignored = _IGNORED(keys)
     if cfg.llm.tie_word_embeddings:  # a tied head some checkpoints still ship: the embedding is used
         ignored |= {k for k in keys if k in ("lm_head.weight", "language_model.lm_head.weight")}
@@ -249,9 +288,68 @@ def load_model(
     return model.eval(), cfg
 
 
+def _load_param(
+    model: InternVL, name: str, r: Recipe, reader: _Reader, cfg: InternVLConfig, shard: ShardFn | None
+) -> list[str]:
+    """Read parameter `name`'s tensors and set it (a function: the host lets go of them when it returns); returns
+    the checkpoint keys read."""
+    p = model.get_parameter(name)
+    t, scales, read = _read(reader, r, cfg, name)
+    if scales is not None and p.dtype == FP8 and shard is None:  # an FP8 checkpoint into FP8 linears: as is
+        _check_shape(name, r, t, p)
+        model.get_submodule(name.rpartition(".")[0]).load_quantized(t.to(p.device), scales.to(p.device))
+        return read
+    if scales is not None:  # FP8 tensors for a parameter that is not FP8 here (or to be sharded first)
+        t = dequantize(t.to(p.device), scales.to(p.device))
+    if shard is not None:
+        t = shard(name, t)
+    _check_shape(name, r, t, p)
+    _store(model, name, p, t)
+    return read
+
+
+def _read(
+    reader: _Reader, r: Recipe, cfg: InternVLConfig, name: str
+) -> tuple[torch.Tensor, torch.Tensor | None, list[str]]:
+    """A recipe's tensor on the host (our parameter's rows); from an FP8 checkpoint, also its row scales [rows, 1]
+    (else None); and the checkpoint keys read."""
+    keys = reader.weight_map
+    missing = [s for s in r.sources if s not in keys]
+    if missing:
+        raise CheckpointError(f"{name}: missing tensor(s) {', '.join(missing)} in {reader.path}")
+    parts = [reader.get(s) for s in r.sources]
+    for s, t in zip(r.sources, parts, strict=True):
+        if not t.is_floating_point() or (t.itemsize == 1 and t.dtype != FP8):
+            raise CheckpointError(f"{s}: dtype {t.dtype} is not a floating-point (or e4m3) weight")
+    if not any(t.dtype == FP8 for t in parts):
+        return _combine(r, parts, cfg), None, list(r.sources)
+    scale_keys = [s + "_scale" for s in r.sources]
+    if not all(t.dtype == FP8 for t in parts) or any(k not in keys for k in scale_keys):
+        raise CheckpointError(f"{name}: FP8 tensors {', '.join(r.sources)} must all be e4m3, each with its "
+                              "weight_scale")  # fmt: skip
+    scales = [_row_scales(reader.get(k), t.shape[0], k) for k, t in zip(scale_keys, parts, strict=True)]
+    return _combine(r, parts, cfg), _combine(r, scales, cfg), [*r.sources, *scale_keys]
+
+
+def _check_shape(name: str, r: Recipe, t: torch.Tensor, p: torch.Tensor) -> None:
+    if t.shape != p.shape:
+        raise CheckpointError(
+            f"{name} (from {', '.join(r.sources)}): shape {tuple(t.shape)} != {tuple(p.shape)}"
+        )
+
+
+def _combine(r: Recipe, parts: list[torch.Tensor], cfg: InternVLConfig) -> torch.Tensor:
+    """A recipe's source tensors (or their FP8 row scales, [rows, 1]) -> our parameter's rows."""
+    if r.combine == "wqkv":
+        c = cfg.llm
+        return _unpack_wqkv(parts[0], c.num_heads, c.num_kv_heads, c.head_dim)
+    return torch.cat(parts, 0) if r.combine == "cat" else parts[0]
+
+
 def _IGNORED(keys: set[str]) -> set[str]:  # noqa: N802
-    """Tensors a checkpoint may carry that InternVL2.5 inference does not use."""
-    return {k for k in keys if k.endswith(("rotary_emb.inv_freq", "embeddings.mask_token"))}
+    """Tensors a checkpoint may carry that InternVL2.5 inference does not use (an FP8 checkpoint's static
+    activation scales among them: batchvl scales activations per token at run time)."""
+    return {k for k in keys if k.endswith(("rotary_emb.inv_freq", "embeddings.mask_token", ".input_scale"))}
 
 
 def _image_token_from_tokenizer(path: Path) -> int:
@@ -285,7 +383,7 @@ def init_random(
     full_shapes: dict | None = None,
 ) -> None:
     """Draw every parameter on its device: N(0, std) for weights and biases, 1 + N(0, std) for norm weights,
-    0.1 + N(0, std) for layer scales. Never zeros, never uninitialised memory. Each tensor has its own seed
+    0.1 + N(0, std) for layer scales (an FP8 weight: quantized from its fp32 draw). Never zeros, never uninitialised memory. Each tensor has its own seed
     (from its name), so a tensor-parallel rank that draws the full tensor and keeps its shard gets the same
     values as one process."""
     for i, (name, p) in enumerate(model.named_parameters()):
@@ -298,7 +396,7 @@ def init_random(
             t += 0.1
         if shard is not None:
             t = shard(name, t)
-        p.copy_(t.to(p.dtype))
+        _store(model, name, p, t)
 
 
 def random_model(
@@ -308,13 +406,15 @@ def random_model(
     seed: int = 0,
     prepare: Callable[[InternVL], None] | None = None,
     shard: ShardFn | None = None,
+    quantization: str = "none",
 ) -> tuple[InternVL, InternVLConfig]:
-    """A model of a preset's shapes with seeded random weights drawn on `device`."""
+    """A model of a preset's shapes with seeded random weights drawn on `device`, tensor by tensor (an FP8 weight
+    is drawn in fp32, then quantized)."""
     cfg = from_preset(preset) if isinstance(preset, str) else preset
     model = build_empty(cfg)
     full_shapes = {n: p.shape for n, p in model.named_parameters()}
     if prepare is not None:
         prepare(model)
-    _materialize(model, torch.device(device), dtype)
+    _materialize(model, torch.device(device), dtype, quantization)
     init_random(model, seed, shard=shard, full_shapes=full_shapes)
     return model.eval(), cfg
