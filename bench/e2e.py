@@ -118,7 +118,8 @@ def run_transformers(spec, preset: str, dev, hf_rows: list[dict], batches: list[
     image's tiles as the runner's preprocessing makes them); appends a table row per batch size; tokens by batch."""
     dtype = resolve_dtype(spec, dev)  # the runner's: bfloat16 on GPU, float32 on CPU
     cfg = from_preset(preset)
-    tiles = Preprocessor(preprocess_config(spec, cfg))("x", spec.data.image).pixel_values.to(dev, dtype)
+    pre = Preprocessor(preprocess_config(spec, cfg), llm_arch=cfg.llm.arch)
+    tiles = pre("x", spec.data.image).pixel_values.to(dev, dtype)
     assert all(x["num_tiles"] == tiles.shape[0] for x in hf_rows), "rows with another tiling than the image's"
     prompts = [x["prompt_token_ids"] for x in hf_rows]
     hf_flops = sum(request_flops(cfg, tiles.shape[0], len(p), new_tokens) for p in prompts)
