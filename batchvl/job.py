@@ -337,15 +337,14 @@ def _validate(job: Job) -> None:
     _at_least(g.temperature, 0, "job.generation.temperature")
     if not 0 < g.top_p <= 1:
         raise JobError(f"job.generation.top_p: must be in (0, 1], got {g.top_p!r}")
-    if o.dir is None:
-        raise JobError("job.output.dir: required (where the Parquet parts go)")
-    o.dir = _abs(o.dir)
-    if Path(o.dir).resolve() in (Path("/"), Path.home().resolve()):
-        raise JobError(
-            f"job.output.dir: {o.dir} is / or the home directory; give the run a directory of its own"
-        )
-    if Path(o.dir).exists() and not Path(o.dir).is_dir():
-        raise JobError(f"job.output.dir: {o.dir} exists and is not a directory")
+    if o.dir is not None:  # (required by run_job; a Python Pipeline writes a run dir only when asked)
+        o.dir = _abs(o.dir)
+        if Path(o.dir).resolve() in (Path("/"), Path.home().resolve()):
+            raise JobError(
+                f"job.output.dir: {o.dir} is / or the home directory; give the run a directory of its own"
+            )
+        if Path(o.dir).exists() and not Path(o.dir).is_dir():
+            raise JobError(f"job.output.dir: {o.dir} exists and is not a directory")
     _at_least(o.rows_per_part, 1, "job.output.rows_per_part")
 
 

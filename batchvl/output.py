@@ -70,6 +70,11 @@ def columns_with_role(role: str) -> tuple[str, ...]:
     return tuple(f.name for f in ROW_SCHEMA if (f.metadata or {}).get(b"role") == role.encode())
 
 
+def schema_row(row: dict) -> dict:
+    """`row` with exactly ROW_SCHEMA's columns, in its order (a missing one is None): a row as Parquet holds it."""
+    return {name: row.get(name) for name in ROW_SCHEMA.names}
+
+
 STAGE_COLUMNS: tuple[str, ...] = columns_with_role("stage")
 MANIFEST_NAME = "_manifest.json"
 SUMMARY_JSON, SUMMARY_TXT, REPORT_DIR = "_summary.json", "_summary.txt", "_report"

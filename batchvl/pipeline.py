@@ -306,7 +306,7 @@ class Flow:
     lockstep: bool = False
 
 
-class Pipeline:
+class RowLoop:
     """Drives rows through preprocessing, admission (`scheduler.next_batch`), the engine's sequences in flight and
     the writer; counts what it did. Each row is written as soon as it finishes."""
 
@@ -336,15 +336,26 @@ class Pipeline:
         self.outstanding: set[int] = set()  # source indexes taken from the preparer, not yet written
         self.deferred: deque[tuple[int, dict]] = deque()  # error rows waiting for the rows before them
         self.ready: deque[Item] = deque()  # prepared rows waiting for admission
+        self.emitted: deque[dict] = deque()  # written rows not yet yielded by `rows`
 
     def run(
         self, rows: Iterable[SourceRow], done: set[str] = frozenset(), prep: Preparer | None = None
     ) -> dict:
         """Process `rows`, skipping ids in `done`; returns counts. `prep` may be started early (warm workers)."""
+        for _ in self.rows(rows, done, prep):
+            pass
+        return self.counts
+
+    def rows(
+        self, rows: Iterable[SourceRow], done: set[str] = frozenset(), prep: Preparer | None = None
+    ) -> Iterator[dict]:
+        """`run` as a generator: yields each row right after it is written, between the loop's steps. Closing it
+        early drops the sequences in flight (the engine is free for another loop) and stops the workers at once."""
         f, eng = self.flow, self.flow.engine
         if prep is None:  # (not `prep or ...`: an idle Preparer has len 0)
             prep = Preparer(f.preprocessor, f.workers, f.prefetch)
         source = iter(rows)
+        ended = False
         try:
             while True:
                 if self.stop is not None and self.stop.is_set():
@@ -368,10 +379,18 @@ class Pipeline:
                     need, have = eng.blocks_needed(it.request), eng.pool.num_blocks - 1
                     self._fail(it, f"needs {need} KV blocks; the engine's whole pool has {have}")
                 self._flush_errors()
+                yield from self._written()
             self._flush_errors()
+            yield from self._written()
+            ended = True
         finally:
-            prep.close(now=self.stop is not None and self.stop.is_set())
-        return self.counts
+            if eng.active:  # closed early or failed: nothing stays in flight
+                eng.abort()
+            prep.close(now=not ended or (self.stop is not None and self.stop.is_set()))
+
+    def _written(self) -> Iterator[dict]:
+        while self.emitted:
+            yield self.emitted.popleft()
 
     def _halt(self) -> None:
         """Stop: drop the sequences in flight and the rows not yet admitted (they run again on resume), and write
@@ -516,6 +535,7 @@ class Pipeline:
 
     def _emit(self, row: dict) -> None:
         self.write(row)
+        self.emitted.append(row)
         c = self.counts
         c["rows"] += 1
         n_in = n_out = 0

@@ -13,7 +13,8 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Generator, Iterable
+from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
@@ -37,11 +38,12 @@ from batchvl.output import (
     quarantine_bad_parts,
     read_manifest,
     run_summary,
+    schema_row,
     upgrade_layout,
     write_manifest,
     write_summary,
 )
-from batchvl.pipeline import Flow, Pipeline, Preparer, write_rows
+from batchvl.pipeline import Flow, Preparer, RowLoop, write_rows
 from batchvl.preprocess import PreprocessConfig, Preprocessor
 from batchvl.report import report_cmd
 from batchvl.tokenizer import image_token_ids, load_tokenizer
@@ -238,28 +240,68 @@ def run_job(
     if (rows is not None) != (job.data.format == "rows"):
         raise JobError("job.data.format: 'rows' and run_job(job, rows=[...]) go together; got format "
                        f"{job.data.format!r} and {'no ' if rows is None else ''}rows")  # fmt: skip
-    m = job.model
-    if m.tp != ctx.tp:
-        raise JobError(f"job.model.tp: {m.tp} but the process groups were built for tp={ctx.tp}")
-    device = resolve_device(job, ctx)
-    dtype = resolve_dtype(job, device)
-    check_quantization(job, device, ctx)
-    cfg = model_config(job)
+    if job.output.dir is None:
+        raise JobError("job.output.dir: required (where the Parquet parts go)")
+    device, dtype, cfg = resolve_model(job, ctx)
     check_source(job.data)
-    job_fp, model_fp = fingerprint(job_for_fingerprint(job)), model_fingerprint(job, cfg, dtype)
-    model_desc = {"config": config_to_dict(cfg), "dtype": str(dtype)}
-    decision, lock = _resume_decision(job, ctx, job_fp, model_fp, model_desc)
+    decision, lock = open_run_dir(job, ctx, dtype, cfg)
     try:
         with StopOnSignal() as stop:
-            return _run(job, ctx, engine_factory, device, dtype, cfg, decision, stop, rows)
+            summary = _run(job, ctx, engine_factory, device, dtype, cfg, decision, stop, rows)
     finally:
         if lock is not None:
             lock.release()
+    if summary is not None:
+        click.echo(format_summary(summary))
+    return summary
+
+
+def resolve_model(job: Job, ctx: dist.DistContext) -> tuple[torch.device, torch.dtype, InternVLConfig]:
+    """(device, dtype, config) of the job's model, refusing what this process cannot run before anything loads."""
+    if job.model.tp != ctx.tp:
+        raise JobError(f"job.model.tp: {job.model.tp} but the process groups were built for tp={ctx.tp}")
+    device = resolve_device(job, ctx)
+    dtype = resolve_dtype(job, device)
+    check_quantization(job, device, ctx)
+    return device, dtype, model_config(job)
+
+
+def open_run_dir(
+    job: Job, ctx: dist.DistContext, dtype: torch.dtype, cfg: InternVLConfig
+) -> tuple[str, RunLock | None]:
+    """Lock job.output.dir (rank 0) and decide fresh / resume / overwrite for this job and model."""
+    job_fp, model_fp = fingerprint(job_for_fingerprint(job)), model_fingerprint(job, cfg, dtype)
+    model_desc = {"config": config_to_dict(cfg), "dtype": str(dtype)}
+    return _resume_decision(job, ctx, job_fp, model_fp, model_desc)
 
 
 def _run(job: Job, ctx: dist.DistContext, engine_factory: Callable, device: torch.device, dtype: torch.dtype,
          cfg: InternVLConfig, decision: str, stop: StopOnSignal, rows: Iterable[dict] | None) -> dict | None:  # fmt: skip
-    m, out = job.model, job.output.dir
+    tokenizer, pre = load_preprocessor(job, cfg)
+    manifest = start_manifest(job, ctx, device, dtype, cfg, decision)
+    try:  # the manifest says `running` while the model loads
+        model = load_model(job, ctx, engine_factory, device, dtype, cfg, tokenizer, pre)
+    except Interrupted:
+        _mark_interrupted(ctx, manifest, _this_run(manifest, ctx, 0.0, 0.0, 0.0, []))
+        raise
+    try:
+        return _finish(run_rows(model, job, rows, manifest, stop))
+    finally:
+        model.close()
+
+
+def _finish(run: Generator[dict, None, Any]) -> Any:
+    """Drive a generator to its end; its return value."""
+    while True:
+        try:
+            next(run)
+        except StopIteration as end:
+            return end.value
+
+
+def load_preprocessor(job: Job, cfg: InternVLConfig) -> tuple[Any, Preprocessor]:
+    """(tokenizer, preprocessor) of the job's model; a tokenizer whose image token is not the model's is refused."""
+    m = job.model
     tok_path = m.tokenizer or m.path  # neither (a preset): the stand-in tokenizer of the preset's LLM
     tokenizer = load_tokenizer(tok_path, m.trust_remote_code, cfg.llm.arch)
     ctx_id = image_token_ids(tokenizer)["img_context"]
@@ -268,7 +310,83 @@ def _run(job: Job, ctx: dist.DistContext, engine_factory: Callable, device: torc
             f"job.model: tokenizer's <IMG_CONTEXT> id {ctx_id} != the model's image_token_id "
             f"{cfg.image_token_id}; set model.tokenizer to the model's tokenizer"
         )
-    pre = Preprocessor(preprocess_config(job, cfg), tok_path, m.trust_remote_code, cfg.llm.arch)
+    return tokenizer, Preprocessor(preprocess_config(job, cfg), tok_path, m.trust_remote_code, cfg.llm.arch)
+
+
+@dataclass
+class LoadedModel:
+    """A job's model loaded and warmed up, with what runs rows through it: every run of rows shares it."""
+
+    job: Job  # its model, preprocess, engine and generation sections made this
+    ctx: dist.DistContext
+    device: torch.device
+    dtype: torch.dtype
+    cfg: InternVLConfig
+    engine: Any
+    flow: Flow
+    load_s: float
+    warm_s: float
+    warm_prep: Preparer | None  # workers started while the model loaded, for the first run
+
+    def start_run(self) -> tuple[Preparer, float, float]:
+        """(preparer, load_s, warm_s) of the next run: the first gets the warm workers and the load's seconds, a
+        later one a new pool and zeros (it loaded nothing)."""
+        if self.warm_prep is None:
+            return new_preparer(self.job, self.flow.preprocessor, self.device), 0.0, 0.0
+        prep, self.warm_prep = self.warm_prep, None
+        return prep, self.load_s, self.warm_s
+
+    def close(self) -> None:
+        """Stop workers no run took."""
+        if self.warm_prep is not None:
+            self.warm_prep.close(now=True)
+            self.warm_prep = None
+
+
+def new_preparer(job: Job, pre: Preprocessor, device: torch.device) -> Preparer:
+    p = job.preprocess
+    return Preparer(pre, p.workers, p.prefetch, pin=device.type == "cuda")
+
+
+def load_model(job: Job, ctx: dist.DistContext, engine_factory: Callable, device: torch.device, dtype: torch.dtype,
+               cfg: InternVLConfig, tokenizer: Any, pre: Preprocessor) -> LoadedModel:  # fmt: skip
+    """Build the engine (`engine_factory`) and warm it up, while the preprocessing workers start."""
+    prep = new_preparer(job, pre, device)  # workers warm up while the model loads
+    try:
+        t_load = time.perf_counter()
+        engine = engine_factory(job, device, dtype, stop_token_ids(tokenizer), ctx)
+        load_s = time.perf_counter() - t_load
+        if ctx.tp > 1 and hasattr(
+            engine, "pool"
+        ):  # every rank of a replica runs the same batches: the same pool
+            engine.pool.limit(min(dist.all_gather_object(ctx, engine.pool.num_blocks)))
+        t_warm = time.perf_counter()  # before any row flows: no preprocessing thread runs during the captures
+        parts = engine.warm_up() if hasattr(engine, "warm_up") else {}
+        warm_s = time.perf_counter() - t_warm
+    except BaseException:
+        prep.close(now=True)
+        raise
+    log.info("warm-up %.1f s (%s)", warm_s, ", ".join(f"{k} {v:.1f} s" for k, v in parts.items()))
+    log.info("model ready in %.1f s (%s, %s, %s)", load_s, job.model.path or job.model.preset, device, dtype)
+    flow = Flow(
+        engine,
+        pre,
+        lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+        _sampling(job.generation),
+        engine.max_prefill_tokens,
+        job.engine.max_vit_tiles,
+        job.preprocess.workers,
+        job.preprocess.prefetch,
+        token_id=lambda text: single_token(tokenizer, text),
+        lockstep=ctx.tp > 1,
+    )
+    return LoadedModel(job, ctx, device, dtype, cfg, engine, flow, load_s, warm_s, prep)
+
+
+def start_manifest(job: Job, ctx: dist.DistContext, device: torch.device, dtype: torch.dtype, cfg: InternVLConfig,
+                   decision: str) -> dict:  # fmt: skip
+    """This run's manifest, `running`, written to job.output.dir (rank 0) and returned."""
+    out = job.output.dir
     previous = (read_manifest(out) or {}) if decision == "resume" else {}
     job_fp, model_fp = fingerprint(job_for_fingerprint(job)), model_fingerprint(job, cfg, dtype)
     manifest = {
@@ -289,82 +407,80 @@ def _run(job: Job, ctx: dist.DistContext, engine_factory: Callable, device: torc
         # this run's number (its rows' `run`), counting runs that died before recording themselves in `runs`
         "runs_started": previous.get("runs_started", len(previous.get("runs", []))) + 1,
     }
-    run_number = manifest["runs_started"] - 1
     if ctx.is_main:
         write_manifest(out, manifest)
-    p = job.preprocess
-    # workers warm up while the model loads
-    prep = Preparer(pre, p.workers, p.prefetch, pin=device.type == "cuda")
-    load_s = warm_s = duration = 0.0
+    return manifest
+
+
+def run_rows(model: LoadedModel, job: Job, rows: Iterable[dict] | None, manifest: dict | None,
+             stop: StopOnSignal | None) -> Generator[dict, None, dict | None]:  # fmt: skip
+    """One run of the job's rows (`rows`, or its data source) through the loaded model, yielding each row as it ends
+    with every Parquet column. With `manifest` (written by `start_manifest`) the rows also go to job.output.dir and
+    rank 0 returns the summary: the manifest ends `done`, or `interrupted` (finished rows written) on a signal or
+    when the caller closes the generator early."""
+    ctx, engine, out = model.ctx, model.engine, job.output.dir
+    run_number = None if manifest is None else manifest["runs_started"] - 1
+    done = done_ids(out) if manifest is not None and manifest["decision"] == "resume" else set()
+    writer = None
+    if manifest is not None and ctx.is_writer:
+        fps = _fingerprints(manifest["job_fingerprint"], manifest["model_fingerprint"])
+        writer = PartWriter(out, ctx.rank, job.output.rows_per_part, fingerprints=fps)
+    counters_before = dict(getattr(engine, "counters", {}))
+    vit_stats = getattr(getattr(engine, "encode_fn", None), "stats", None)
+    vit_before = vit_stats.total_compile_s if vit_stats is not None else 0.0
+    prep, load_s, warm_s = model.start_run()
+    t0, loop = None, None
+    stop_event = stop.event if stop is not None else None
     try:
-        t_load = time.perf_counter()
-        engine = engine_factory(job, device, dtype, stop_token_ids(tokenizer), ctx)
-        load_s = time.perf_counter() - t_load
-        if ctx.tp > 1 and hasattr(
-            engine, "pool"
-        ):  # every rank of a replica runs the same batches: the same pool
-            engine.pool.limit(min(dist.all_gather_object(ctx, engine.pool.num_blocks)))
-        t_warm = time.perf_counter()  # before any row flows: no preprocessing thread runs during the captures
-        parts = engine.warm_up() if hasattr(engine, "warm_up") else {}
-        warm_s = time.perf_counter() - t_warm
-        log.info("warm-up %.1f s (%s)", warm_s, ", ".join(f"{k} {v:.1f} s" for k, v in parts.items()))
-        vit_stats = getattr(getattr(engine, "encode_fn", None), "stats", None)
-        vit_warm_s = vit_stats.total_compile_s if vit_stats is not None else 0.0
-        log.info("model ready in %.1f s (%s, %s, %s)", load_s, m.path or m.preset, device, dtype)
-        g = job.generation
-        sampling = _sampling(g)
-        flow = Flow(
-            engine,
-            pre,
-            lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-            sampling,
-            engine.max_prefill_tokens,
-            job.engine.max_vit_tiles,
-            p.workers,
-            p.prefetch,
-            token_id=lambda text: single_token(tokenizer, text),
-            lockstep=ctx.tp > 1,
-        )
-        done = done_ids(out) if decision == "resume" else set()
-        writer = (
-            PartWriter(out, ctx.rank, job.output.rows_per_part, fingerprints=_fingerprints(job_fp, model_fp))
-            if ctx.is_writer
-            else None
-        )
         total = count_rows(job.data, rows)
         shard_total = None if total is None else -(-total // ctx.num_replicas)
         prep.wait_warm()
         dist.barrier(ctx)
         t0 = time.perf_counter()
-        stop.rows_flowing = True
+        if stop is not None:
+            stop.rows_flowing = True
         desc = "rows" if ctx.num_replicas == 1 else f"rows (replica 0 of {ctx.num_replicas})"
         with tqdm(
             total=shard_total, desc=desc, unit="row", disable=not ctx.is_main, dynamic_ncols=True
         ) as bar:
-            counts = Pipeline(flow, write_rows(writer, run_number), t0, bar, stop.event).run(
-                iter_rows(job.data, ctx.replica, ctx.num_replicas, rows), done, prep
-            )
+            loop = RowLoop(model.flow, write_rows(writer, run_number), t0, bar, stop_event)
+            written = loop.rows(iter_rows(job.data, ctx.replica, ctx.num_replicas, rows), done, prep)
+            try:
+                for row in written:
+                    yield schema_row(row | {"rank": ctx.rank, "run": run_number})
+            finally:
+                written.close()  # on an early close too: nothing stays in flight, the workers stop
         if writer is not None:
             writer.close()  # on a stop too: every finished row reaches disk
-        duration = time.perf_counter() - t0
-    except Interrupted:
-        _mark_interrupted(ctx, manifest, _this_run(manifest, ctx, duration, load_s, warm_s, []))
+        counts, duration = loop.counts, time.perf_counter() - t0
+    except (Interrupted, GeneratorExit) as e:
+        if isinstance(e, GeneratorExit) and writer is not None:
+            writer.close()  # the caller stopped early: the rows it was given are on disk
+        if manifest is not None:
+            ran = [] if loop is None else [loop.counts]
+            duration = 0.0 if t0 is None else time.perf_counter() - t0
+            _mark_interrupted(ctx, manifest, _this_run(manifest, ctx, duration, load_s, warm_s, ran))
         raise
     finally:
-        prep.close(now=stop.event.is_set())
+        prep.close(now=stop_event is not None and stop_event.is_set())
     log.info("rank done in %.1f s: %s", duration, counts)
-    if stop.event.is_set():  # no collectives: the other ranks may not have been signalled
-        _mark_interrupted(ctx, manifest, _this_run(manifest, ctx, duration, load_s, warm_s, [counts]))
+    # no collectives on a stop: the other ranks may not have been signalled
+    if stop_event is not None and stop_event.is_set():
+        if manifest is not None:
+            _mark_interrupted(ctx, manifest, _this_run(manifest, ctx, duration, load_s, warm_s, [counts]))
         raise Interrupted(stop.signum)
+    if manifest is None:
+        return None
     if vit_stats is not None:  # compiles the warm-up did not foresee (e.g. a TP ViT's micro-batch sizes)
         counts = counts | {
             "vit_compile": vit_stats.summary(),
-            "vit_compile_s": vit_stats.total_compile_s - vit_warm_s,
+            "vit_compile_s": vit_stats.total_compile_s - vit_before,
         }
         log.info("%s", counts["vit_compile"])
-    counts = counts | dict(getattr(engine, "counters", {}))  # cache hits, decode steps and their rows
-    if device.type == "cuda":
-        counts["peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    # cache hits, decode steps and their rows: this run's
+    counts = counts | {k: v - counters_before.get(k, 0) for k, v in getattr(engine, "counters", {}).items()}
+    if model.device.type == "cuda":
+        counts["peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated(model.device) / 2**30
     step = getattr(engine, "decode_step", None)
     if step is not None:  # CUDA graphs of the decode step: how many shapes were captured, or why they are off
         counts = counts | {"decode_graphs_captured": step.captures, "decode_graphs_failed": step.failed}
@@ -377,7 +493,6 @@ def _run(job: Job, ctx: dist.DistContext, engine_factory: Callable, device: torc
     summary = run_summary(out, final)
     write_summary(out, summary)
     write_manifest(out, final)
-    click.echo(format_summary(summary))
     return summary
 
 

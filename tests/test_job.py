@@ -135,8 +135,11 @@ def test_model_path_checks(tmp_path, files):
 def test_required_keys(tmp_path, files):
     d = base(files)
     del d["output"]
-    with pytest.raises(JobError, match=r"^job\.output\.dir: required"):
-        load_job(write_job(tmp_path, d))
+    job = load_job(write_job(tmp_path, d))  # a job without a run dir describes a model for batchvl.Pipeline
+    from batchvl.runner import run_job
+
+    with pytest.raises(JobError, match=r"^job\.output\.dir: required"):  # ... and cannot run as a job
+        run_job(job)
     d = base(files)
     del d["data"]["path"]
     with pytest.raises(JobError, match=r"^job\.data\.path: required for format 'jsonl'"):

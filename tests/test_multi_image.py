@@ -12,7 +12,7 @@ from batchvl.data import SourceRow
 from batchvl.engine import Engine, Request, Sampling
 from batchvl.job import EngineSpec
 from batchvl.model.loader import load_model
-from batchvl.pipeline import Flow, Pipeline
+from batchvl.pipeline import Flow, RowLoop
 from batchvl.preprocess import PreprocessConfig, PreprocessError, Preprocessor, load_tokenizer
 
 IMAGES = [noise_image(600, 300, seed=1), noise_image(300, 300, seed=2), noise_image(200, 500, seed=3)]
@@ -147,7 +147,7 @@ def test_a_row_of_images_through_the_pipeline(pre):
     rows = [SourceRow(0, "two", "Compare <image> and <image>", IMAGES[:2]),
             SourceRow(1, "bad", "Only <image>", IMAGES[:2]), SourceRow(2, "one", "q", IMAGES[2])]  # fmt: skip
     written = []
-    Pipeline(flow, written.append, t0=0.0).run(rows)
+    RowLoop(flow, written.append, t0=0.0).run(rows)
     by_id = {r["id"]: r for r in written}
     assert by_id["bad"]["error"] == "the prompt has 1 <image> placeholder(s) but the row has 2 images"
     assert by_id["two"]["error"] is None and by_id["two"]["num_tiles"] == 4

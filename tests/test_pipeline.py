@@ -12,7 +12,7 @@ from batchvl.data import SourceRow, iter_rows
 from batchvl.engine import Sampling
 from batchvl.job import DataSpec
 from batchvl.output import PartWriter, read_rows
-from batchvl.pipeline import Flow, Item, Pipeline, Preparer
+from batchvl.pipeline import Flow, Item, Preparer, RowLoop
 from batchvl.preprocess import Prepared, PreprocessConfig, Preprocessor, load_tokenizer
 from batchvl.scheduler import next_batch
 
@@ -74,7 +74,7 @@ def run_flow(
     flow = Flow(engine, Preprocessor(PCFG), lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                 Sampling(max_new_tokens=3), workers=workers, prefetch=4, **budget)  # fmt: skip
     writer = PartWriter(out, rank=0, rows_per_part=5)
-    counts = Pipeline(flow, writer.add, t0=0.0).run(rows, done)
+    counts = RowLoop(flow, writer.add, t0=0.0).run(rows, done)
     writer.close()
     table = read_rows(out).to_pylist()
     assert counts["rows"] == len(table)
@@ -154,7 +154,7 @@ def test_pixel_values_reach_the_engine_as_tensors(bad_rows_jsonl, tokenizer, tmp
 
     rows = [r for r in _rows(bad_rows_jsonl) if r.id in ("rgb", "text")][:2]
     flow = Flow(Spy(), Preprocessor(PCFG), str, Sampling(max_new_tokens=2))
-    Pipeline(flow, lambda row: None, t0=0.0).run(rows)
+    RowLoop(flow, lambda row: None, t0=0.0).run(rows)
     assert [r.input_ids.dtype for r in seen] == [torch.int64, torch.int64]
     assert (
         seen[0].pixel_values.shape[1:] == (3, 448, 448) and seen[0].image_key and seen[1].pixel_values is None
@@ -178,7 +178,7 @@ def test_a_row_that_kills_its_worker_becomes_an_error_row(tmp_path):
     rows.append(SourceRow(5, "a", "a", error="duplicate id"))
     written: list[dict] = []
     flow = Flow(FakeEngine(), DyingPreprocessor(), str, Sampling(max_new_tokens=1), workers=1, prefetch=8)
-    counts = Pipeline(flow, written.append, t0=0.0).run(rows)
+    counts = RowLoop(flow, written.append, t0=0.0).run(rows)
     assert [(r["id"], r["error"]) for r in written if r["error"]] == [
         ("die", "preprocess worker died on this row"), ("a", "duplicate id")
     ]  # fmt: skip
@@ -198,7 +198,7 @@ def test_runner_uses_the_preparer_started_early():
     rows = [SourceRow(i, str(i), "q" * (i + 1)) for i in range(3)]
     flow = Flow(FakeEngine(), pre, str, Sampling(max_new_tokens=1))
     written: list[dict] = []
-    Pipeline(flow, written.append, t0=0.0).run(rows, prep=Counting(pre, 0, 4))  # an idle Preparer is falsy
+    RowLoop(flow, written.append, t0=0.0).run(rows, prep=Counting(pre, 0, 4))  # an idle Preparer is falsy
     assert Counting.submitted == 3 and len(written) == 3
 
 
@@ -233,7 +233,7 @@ def test_real_engine_rows_survive_a_failed_admission(bad_rows_jsonl, tokenizer, 
         flow = Flow(engine, Preprocessor(PCFG), lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                     Sampling(max_new_tokens=3, ignore_eos=True), max_prefill_tokens=1200, max_vit_tiles=4)  # fmt: skip
         writer = PartWriter(out, rank=0, rows_per_part=100)
-        Pipeline(flow, writer.add, t0=0.0).run(rows)
+        RowLoop(flow, writer.add, t0=0.0).run(rows)
         writer.close()
         return {r["id"]: (r["output_token_ids"], r["error"]) for r in read_rows(out).to_pylist()}
 
@@ -262,7 +262,7 @@ def test_a_rows_own_generation_settings(tokenizer, tmp_path):
     written: list[dict] = []
     flow = Flow(Spy(), Preprocessor(PCFG), str, Sampling(max_new_tokens=5, stop_token_ids=(3,)),
                 token_id=lambda text: tokenizer.convert_tokens_to_ids(text) if text == "<|im_end|>" else None)  # fmt: skip
-    Pipeline(flow, written.append, t0=0.0).run(rows)
+    RowLoop(flow, written.append, t0=0.0).run(rows)
     by_id = {r["id"]: r for r in written}
     assert {k: len(by_id[k]["output_token_ids"]) for k in ("0", "1", "2", "5")} == {
         "0": 5,
@@ -323,7 +323,7 @@ def test_lockstep_admission_does_not_depend_on_when_rows_get_ready(tokenizer):
         flow = Flow(engine, DyingPreprocessor(), str, Sampling(max_new_tokens=3), max_prefill_tokens=20,
                     workers=workers, prefetch=8, lockstep=True)  # fmt: skip
         written: list[dict] = []
-        Pipeline(flow, written.append, t0=0.0).run(rows)
+        RowLoop(flow, written.append, t0=0.0).run(rows)
         assert len(written) == 40
         batches.append([b["n"] for b in engine.batches])
     assert batches[0] == batches[1]

@@ -30,7 +30,7 @@ from batchvl.output import (
     read_manifest,
     read_rows,
 )
-from batchvl.pipeline import SIGNAL_AFTER_ENV, Flow, Pipeline
+from batchvl.pipeline import SIGNAL_AFTER_ENV, Flow, RowLoop
 from batchvl.preprocess import PreprocessConfig, Preprocessor
 from batchvl.runner import run_job
 
@@ -122,7 +122,7 @@ def test_error_rows_reach_disk_as_they_come(tmp_path):
     flow = Flow(
         FakeEngine(), _Missing(PreprocessConfig()), str, Sampling(max_new_tokens=3), prefetch=prefetch
     )
-    Pipeline(flow, write, t0=0.0).run(source())
+    RowLoop(flow, write, t0=0.0).run(source())
     writer.close()
     assert sorted(written) == sorted(["good", *(f"b{i}" for i in range(1, n))])
     assert max(ahead) <= 2 * prefetch + 2, max(ahead)
