@@ -70,6 +70,7 @@ class PreprocessSpec:
     system_message: str | None = None
     workers: int = 2
     prefetch: int = 32  # prepared rows in flight ahead of the engine
+    row_timeout_s: float = 120.0  # a row a worker takes longer over is an error row; the worker is replaced
 
 
 @dataclass
@@ -199,8 +200,8 @@ def job_for_fingerprint(job: Job) -> dict:
     into parts, worker counts and the engine's batch budgets (greedy results do not depend on them)."""
     d = job_to_dict(job)
     for section, key in (("output", "overwrite"), ("output", "dir"), ("output", "rows_per_part"),
-                         ("preprocess", "workers"), ("preprocess", "prefetch"), ("engine", "cache_dir"),
-                         ("engine", "max_prefill_tokens"), ("engine", "max_vit_tiles")):  # fmt: skip
+                         ("preprocess", "workers"), ("preprocess", "prefetch"), ("preprocess", "row_timeout_s"),
+                         ("engine", "cache_dir"), ("engine", "max_prefill_tokens"), ("engine", "max_vit_tiles")):  # fmt: skip
         d[section].pop(key, None)
     return d
 
@@ -327,6 +328,10 @@ def _validate(job: Job) -> None:
         raise JobError(f"job.preprocess.min_tiles: {pp.min_tiles} > max_tiles {pp.max_tiles}")
     _choice(pp.overlong, ("error", "truncate"), "job.preprocess.overlong")
     _at_least(pp.workers, 0, "job.preprocess.workers")
+    if not 0 < pp.row_timeout_s < float("inf"):
+        raise JobError(
+            f"job.preprocess.row_timeout_s: must be a number of seconds > 0, got {pp.row_timeout_s!r}"
+        )
     for k in ("max_prefill_tokens", "max_vit_tiles"):
         _at_least(getattr(e, k), 1, f"job.engine.{k}")
     _choice(e.vit_mode, ("auto", "tp", "dp"), "job.engine.vit_mode")

@@ -286,6 +286,7 @@ def _run(job: Job, ctx: dist.DistContext, engine_factory: Callable, device: torc
         "status": "running",
         "decision": decision,
         "runs": previous.get("runs", []),
+        "parts": previous.get("parts", {}),  # part name -> {rows, digest} once committed; checked on resume
         # this run's number (its rows' `run`), counting runs that died before recording themselves in `runs`
         "runs_started": previous.get("runs_started", len(previous.get("runs", []))) + 1,
     }
@@ -294,7 +295,7 @@ def _run(job: Job, ctx: dist.DistContext, engine_factory: Callable, device: torc
         write_manifest(out, manifest)
     p = job.preprocess
     # workers warm up while the model loads
-    prep = Preparer(pre, p.workers, p.prefetch, pin=device.type == "cuda")
+    prep = Preparer(pre, p.workers, p.prefetch, pin=device.type == "cuda", row_timeout_s=p.row_timeout_s)
     load_s = warm_s = duration = 0.0
     try:
         t_load = time.perf_counter()
@@ -353,7 +354,9 @@ def _run(job: Job, ctx: dist.DistContext, engine_factory: Callable, device: torc
     finally:
         prep.close(now=stop.event.is_set())
     log.info("rank done in %.1f s: %s", duration, counts)
+    parts = writer.committed if writer is not None else {}
     if stop.event.is_set():  # no collectives: the other ranks may not have been signalled
+        manifest["parts"] = manifest["parts"] | parts  # (theirs are recorded on resume)
         _mark_interrupted(ctx, manifest, _this_run(manifest, ctx, duration, load_s, warm_s, [counts]))
         raise Interrupted(stop.signum)
     if vit_stats is not None:  # compiles the warm-up did not foresee (e.g. a TP ViT's micro-batch sizes)
@@ -368,12 +371,13 @@ def _run(job: Job, ctx: dist.DistContext, engine_factory: Callable, device: torc
     step = getattr(engine, "decode_step", None)
     if step is not None:  # CUDA graphs of the decode step: how many shapes were captured, or why they are off
         counts = counts | {"decode_graphs_captured": step.captures, "decode_graphs_failed": step.failed}
-    all_counts = dist.all_gather_object(ctx, counts)
+    all_counts, all_parts = zip(*dist.all_gather_object(ctx, (counts, parts)), strict=True)
     dist.barrier(ctx)
     if not ctx.is_main:
         return None
-    runs = manifest["runs"] + [_this_run(manifest, ctx, duration, load_s, warm_s, all_counts)]
-    final = manifest | {"ended_at": runs[-1]["ended_at"], "status": "done", "runs": runs}
+    runs = manifest["runs"] + [_this_run(manifest, ctx, duration, load_s, warm_s, list(all_counts))]
+    parts = manifest["parts"] | {name: rec for ps in all_parts for name, rec in ps.items()}
+    final = manifest | {"ended_at": runs[-1]["ended_at"], "status": "done", "runs": runs, "parts": parts}
     summary = run_summary(out, final)
     write_summary(out, summary)
     write_manifest(out, final)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import FakeEngine
+from conftest import FakeEngine, HangingPreprocessor
 
 from batchvl.data import SourceRow
 from batchvl.engine import Sampling
@@ -26,9 +26,11 @@ from batchvl.output import (
     ResumeError,
     RunLock,
     check_resume,
+    content_digest,
     part_problem,
     read_manifest,
     read_rows,
+    write_manifest,
 )
 from batchvl.pipeline import SIGNAL_AFTER_ENV, Flow, Pipeline
 from batchvl.preprocess import PreprocessConfig, Preprocessor
@@ -128,6 +130,30 @@ def test_error_rows_reach_disk_as_they_come(tmp_path):
     assert max(ahead) <= 2 * prefetch + 2, max(ahead)
 
 
+@pytest.mark.slow
+def test_a_row_stuck_in_a_worker_times_out_and_the_worker_is_replaced(tmp_path, monkeypatch):
+    """A row whose preprocessing hangs (as reading a FIFO did) becomes an error row after row_timeout_s; its
+    worker is killed, fresh ones take the other rows, and the job ends in bounded time with every other row done."""
+    import batchvl.runner as runner
+
+    mark = uuid.uuid4().hex
+    monkeypatch.setattr(runner, "Preprocessor", HangingPreprocessor)
+    monkeypatch.setenv("BATCHVL_TEST_HANG", str(tmp_path / "hanging"))
+    monkeypatch.setenv("BATCHVL_TEST_MARK", mark)  # (spawned workers carry it)
+    lines = [{"id": f"r{i}", "prompt": "hang" if i == 3 else f"question {i}"} for i in range(10)]
+    job = small_job(tmp_path, write_jsonl(tmp_path / "rows.jsonl", lines), "preprocess.workers=1",
+                    "preprocess.row_timeout_s=2", "preprocess.prefetch=4")  # fmt: skip
+    t0 = time.monotonic()
+    summary = run_job(job, engine_factory=fake_factory)
+    assert time.monotonic() - t0 < 60  # the stuck row sleeps 600 s
+    assert (tmp_path / "hanging").exists()
+    got = {r["id"]: r["error"] for r in read_rows(job.output.dir).to_pylist()}
+    assert sorted(got) == sorted(x["id"] for x in lines)
+    assert "preprocess.row_timeout_s (2 s)" in got.pop("r3") and set(got.values()) == {None}
+    assert (summary["successful_requests"], summary["failed_requests"]) == (9, 1)
+    assert not [p for p in marked(mark) if b"spawn_main" in cmdline(p)]  # the stuck worker is gone too
+
+
 # ---------------------------------------------------------------- parts that prove themselves
 
 
@@ -186,6 +212,46 @@ def test_resume_quarantines_truncated_corrupt_and_foreign_parts(tmp_path, caplog
     for name, why in zip(moved, ("unreadable", "checksum", "another job"), strict=True):
         assert any(name in m and why in m for m in caplog.messages), (name, caplog.messages)
     assert read_manifest(out)["status"] == "done"
+
+
+def test_the_manifest_records_each_part_and_a_resume_refuses_one_that_disagrees(tmp_path, caplog):
+    """A part replaced by a self-consistent part of the same job (right fingerprints, its own checksum right) is
+    caught by the manifest's record; a part a crashed run committed but did not record is taken in; a part gone
+    loses its record, so a new part may take its name."""
+    rows = text_rows(tmp_path, 40)
+    job = small_job(tmp_path, rows, "output.rows_per_part=10")
+    run_job(job, engine_factory=fake_factory)
+    out = Path(job.output.dir)
+    first = {r["id"]: r for r in read_rows(out).to_pylist()}
+    man = read_manifest(out)
+    parts = sorted(out.glob("part-*.parquet"))
+    assert sorted(man["parts"]) == [p.name for p in parts]
+    for p in parts:
+        table = pq.read_table(p)
+        assert man["parts"][p.name] == {"rows": table.num_rows, "digest": content_digest(table)} != {}
+    fps = {k: man[k] for k in ("job_fingerprint", "model_fingerprint")}
+    _part(out, [f"r{i:03d}" for i in range(10, 20)], fps=fps, chunk=1)  # passes its own checks
+    assert part_problem(parts[1], fps) is None and "manifest's record" in part_problem(
+        parts[1], fps, man["parts"][parts[1].name]
+    )
+    del man["parts"][parts[2].name]  # as if the run died after committing it
+    write_manifest(out, man)
+    parts[3].unlink()
+    with caplog.at_level("WARNING"):
+        assert run_job(job, engine_factory=fake_factory)["successful_requests"] == 40
+    assert any(parts[1].name in m and "manifest's record" in m for m in caplog.messages), caplog.messages
+    assert [p.name for p in (out / QUARANTINE_DIR).iterdir()] == [parts[1].name]
+    again = {r["id"]: r for r in read_rows(out).to_pylist()}
+    assert len(ids_on_disk(out)) == 40 and {i: r["output_token_ids"] for i, r in again.items()} == {
+        i: r["output_token_ids"] for i, r in first.items()
+    }
+    man = read_manifest(out)
+    on_disk = {p.name: pq.read_table(p) for p in out.glob("part-*.parquet")}
+    assert parts[2].name in man["parts"] and parts[3].name in on_disk  # taken in; the name taken again
+    assert man["parts"] == {n: {"rows": t.num_rows, "digest": content_digest(t)} for n, t in on_disk.items()}
+    run_job(job, engine_factory=fake_factory)  # the records hold: nothing quarantined, nothing runs again
+    assert len(list((out / QUARANTINE_DIR).iterdir())) == 1
+    assert read_manifest(out)["runs"][-1]["counts"][0]["skipped"] == 40
 
 
 def test_a_moved_or_symlinked_run_dir_resumes(tmp_path):
@@ -323,6 +389,13 @@ def marked(mark: str) -> dict[int, int]:
     return found
 
 
+def cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:  # (it just ended)
+        return b""
+
+
 def gone(mark: str, within_s: float = 10.0) -> bool:
     end = time.monotonic() + within_s
     while marked(mark) and time.monotonic() < end:
@@ -351,6 +424,7 @@ def test_a_signal_keeps_every_finished_row_and_marks_the_manifest(tmp_path, sign
     assert 252 <= len(first) < 600 and len(first) == len(ids_on_disk(out))
     man = read_manifest(out)
     assert man["status"] == "interrupted" and man["runs"][-1]["interrupted"] and man["ended_at"]
+    assert sorted(man["parts"]) == sorted(p.name for p in out.glob("part-*.parquet"))  # recorded at the stop
     assert gone(mark, within_s=5), marked(mark)
     assert (tmp_path / "hanging").exists() == bool(workers)
     job = small_job(tmp_path, rows)
