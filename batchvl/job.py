@@ -128,6 +128,14 @@ class OutputSpec:
 
 
 @dataclass
+class DistSpec:
+    """How ranks of a torchrun job wait for each other."""
+
+    # a rank that does not answer this long (at a barrier or collective) fails the job
+    timeout_s: float = 1800.0
+
+
+@dataclass
 class Job:
     model: ModelSpec = field(default_factory=ModelSpec)
     data: DataSpec = field(default_factory=DataSpec)
@@ -135,6 +143,7 @@ class Job:
     engine: EngineSpec = field(default_factory=EngineSpec)
     generation: GenerationSpec = field(default_factory=GenerationSpec)
     output: OutputSpec = field(default_factory=OutputSpec)
+    dist: DistSpec = field(default_factory=DistSpec)
 
 
 def load_job(
@@ -203,6 +212,7 @@ def job_for_fingerprint(job: Job) -> dict:
                          ("preprocess", "workers"), ("preprocess", "prefetch"), ("preprocess", "row_timeout_s"),
                          ("engine", "cache_dir"), ("engine", "max_prefill_tokens"), ("engine", "max_vit_tiles")):  # fmt: skip
         d[section].pop(key, None)
+    d.pop("dist")  # how long ranks wait for each other
     return d
 
 
@@ -328,10 +338,9 @@ def _validate(job: Job) -> None:
         raise JobError(f"job.preprocess.min_tiles: {pp.min_tiles} > max_tiles {pp.max_tiles}")
     _choice(pp.overlong, ("error", "truncate"), "job.preprocess.overlong")
     _at_least(pp.workers, 0, "job.preprocess.workers")
-    if not 0 < pp.row_timeout_s < float("inf"):
-        raise JobError(
-            f"job.preprocess.row_timeout_s: must be a number of seconds > 0, got {pp.row_timeout_s!r}"
-        )
+    for key, secs in (("preprocess.row_timeout_s", pp.row_timeout_s), ("dist.timeout_s", job.dist.timeout_s)):
+        if not 0 < secs < float("inf"):
+            raise JobError(f"job.{key}: must be a number of seconds > 0, got {secs!r}")
     for k in ("max_prefill_tokens", "max_vit_tiles"):
         _at_least(getattr(e, k), 1, f"job.engine.{k}")
     _choice(e.vit_mode, ("auto", "tp", "dp"), "job.engine.vit_mode")

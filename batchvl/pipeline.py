@@ -38,7 +38,8 @@ if TYPE_CHECKING:  # the engine pulls in the model code: preprocess workers neve
 log = logging.getLogger(__name__)
 # test hook: os._exit(17) once this many rows were handed to the writer (a crash mid-job)
 EXIT_AFTER_ENV = "BATCHVL_EXIT_AFTER_ROWS"
-# test hook: "N:SIGNAME", the process sends itself that signal once N rows were handed to the writer
+# test hook: "N:SIGNAME[:RANK]", the process (of that torchrun rank) sends itself that signal once N rows were handed
+# to the writer
 SIGNAL_AFTER_ENV = "BATCHVL_SIGNAL_AFTER_ROWS"
 
 
@@ -389,7 +390,9 @@ class Pipeline:
         }
         self.exit_after = int(os.environ.get(EXIT_AFTER_ENV, 0))
         after, _, name = os.environ.get(SIGNAL_AFTER_ENV, "").partition(":")
-        self.signal_after = (int(after), getattr(signal, name)) if after else None
+        name, _, rank = name.partition(":")
+        mine = after and rank in ("", os.environ.get("RANK", "0"))
+        self.signal_after = (int(after), getattr(signal, name)) if mine else None
         self.outstanding: set[int] = set()  # source indexes taken from the preparer, not yet written
         self.deferred: deque[tuple[int, dict]] = deque()  # error rows waiting for the rows before them
         self.ready: deque[Item] = deque()  # prepared rows waiting for admission

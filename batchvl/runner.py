@@ -335,7 +335,8 @@ def _run(job: Job, ctx: dist.DistContext, engine_factory: Callable, device: torc
         total = count_rows(job.data, rows)
         shard_total = None if total is None else -(-total // ctx.num_replicas)
         prep.wait_warm()
-        dist.barrier(ctx)
+        dist.barrier(ctx, "at the start")
+        beat = dist.Heartbeat(ctx)  # from here a rank that waits for the others tells slow from stalled
         t0 = time.perf_counter()
         stop.rows_flowing = True
         desc = "rows" if ctx.num_replicas == 1 else f"rows (replica 0 of {ctx.num_replicas})"
@@ -371,6 +372,7 @@ def _run(job: Job, ctx: dist.DistContext, engine_factory: Callable, device: torc
     step = getattr(engine, "decode_step", None)
     if step is not None:  # CUDA graphs of the decode step: how many shapes were captured, or why they are off
         counts = counts | {"decode_graphs_captured": step.captures, "decode_graphs_failed": step.failed}
+    beat.finish()
     all_counts, all_parts = zip(*dist.all_gather_object(ctx, (counts, parts)), strict=True)
     dist.barrier(ctx)
     if not ctx.is_main:
@@ -431,14 +433,13 @@ def run_file(job_file: str, sets: tuple[str, ...] = (), overwrite: bool = False)
     except JobError as e:
         raise click.ClickException(str(e)) from None
     try:
-        ctx = dist.init(
-            job.model.tp, "cuda" if job.model.device != "cpu" and torch.cuda.is_available() else "cpu"
-        )
+        device = "cuda" if job.model.device != "cpu" and torch.cuda.is_available() else "cpu"
+        ctx = dist.init(job.model.tp, device, job.dist.timeout_s)
     except ValueError as e:
         raise click.ClickException(f"job.model.tp: {e}") from None
     try:
         return run_job(job, ctx)
-    except (JobError, ResumeError, FileNotFoundError, MemoryError) as e:
+    except (JobError, ResumeError, FileNotFoundError, MemoryError, dist.RankStalled) as e:
         raise click.ClickException(str(e)) from None
     except Interrupted as e:
         click.echo(

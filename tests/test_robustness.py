@@ -18,6 +18,7 @@ import pytest
 from conftest import FakeEngine, HangingPreprocessor
 
 from batchvl.data import SourceRow
+from batchvl.demo import demo_rows
 from batchvl.engine import Sampling
 from batchvl.job import load_job
 from batchvl.output import (
@@ -451,6 +452,67 @@ def test_workers_die_with_a_killed_parent(tmp_path):
     finally:
         p.kill()
         p.communicate()
+
+
+# ---------------------------------------------------------------- a stalled rank
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            kids += [int(k) for k in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return kids
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_a_stalled_rank_fails_the_job_naming_it_and_a_rerun_resumes(tmp_path):
+    """torchrun --nproc 2 on gloo: rank 1 freezes (SIGSTOP) after its first row. Rank 0 finishes its own rows, then
+    waits for rank 1 no longer than dist.timeout_s and fails the job with a message naming rank 1 and the setting;
+    the same command, run again, resumes and ends with every row once."""
+    out = tmp_path / "run"
+    cmd = ["torchrun", "--standalone", "--nproc-per-node", "2", "-m", "batchvl.runner", "jobs/demo.yaml",
+           "--set", f"output.dir={out}", "--set", "dist.timeout_s=8", "--set", "output.rows_per_part=1"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    p = subprocess.Popen(cmd, cwd=REPO, env={**env, SIGNAL_AFTER_ENV: "1:SIGSTOP:1"}, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    stopped = None
+    try:
+        end = time.monotonic() + 180
+        while stopped is None and p.poll() is None and time.monotonic() < end:
+            stopped = next((k for k in _children(p.pid) if _state(k) == "T"), None)
+            time.sleep(0.1)
+        assert stopped is not None, "rank 1 never stopped"
+        t_stop = time.monotonic()
+        while any(k != stopped for k in _children(p.pid)) and time.monotonic() < t_stop + 90:
+            time.sleep(0.1)  # rank 0 at work, then waiting for rank 1
+        waited = time.monotonic() - t_stop
+        os.kill(stopped, signal.SIGKILL)  # (torchrun's SIGTERM would wait for a stopped process)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+    assert p.returncode != 0
+    assert "rank(s) 1 did not answer" in err and "dist.timeout_s (8 s)" in err, err[-3000:]
+    assert waited < 45, waited  # about dist.timeout_s after rank 0's last row, not 30 min
+    written = ids_on_disk(out)
+    again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    man = read_manifest(out)
+    assert man["decision"] == "resume" and man["status"] == "done"
+    assert sum(c["skipped"] for c in man["runs"][-1]["counts"]) == len(written) > 0
+    assert sorted(ids_on_disk(out)) == sorted(r["id"] for r in demo_rows())  # every row once
 
 
 # ---------------------------------------------------------------- sampling and resume
