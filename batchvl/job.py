@@ -70,6 +70,7 @@ class PreprocessSpec:
     system_message: str | None = None
     workers: int = 2
     prefetch: int = 32  # prepared rows in flight ahead of the engine
+    row_timeout_s: float = 120.0  # a row a worker takes longer over is an error row; the worker is replaced
 
 
 @dataclass
@@ -127,6 +128,14 @@ class OutputSpec:
 
 
 @dataclass
+class DistSpec:
+    """How ranks of a torchrun job wait for each other."""
+
+    # a rank that does not answer this long (at a barrier or collective) fails the job
+    timeout_s: float = 1800.0
+
+
+@dataclass
 class Job:
     model: ModelSpec = field(default_factory=ModelSpec)
     data: DataSpec = field(default_factory=DataSpec)
@@ -134,6 +143,7 @@ class Job:
     engine: EngineSpec = field(default_factory=EngineSpec)
     generation: GenerationSpec = field(default_factory=GenerationSpec)
     output: OutputSpec = field(default_factory=OutputSpec)
+    dist: DistSpec = field(default_factory=DistSpec)
 
 
 def load_job(
@@ -199,9 +209,10 @@ def job_for_fingerprint(job: Job) -> dict:
     into parts, worker counts and the engine's batch budgets (greedy results do not depend on them)."""
     d = job_to_dict(job)
     for section, key in (("output", "overwrite"), ("output", "dir"), ("output", "rows_per_part"),
-                         ("preprocess", "workers"), ("preprocess", "prefetch"), ("engine", "cache_dir"),
-                         ("engine", "max_prefill_tokens"), ("engine", "max_vit_tiles")):  # fmt: skip
+                         ("preprocess", "workers"), ("preprocess", "prefetch"), ("preprocess", "row_timeout_s"),
+                         ("engine", "cache_dir"), ("engine", "max_prefill_tokens"), ("engine", "max_vit_tiles")):  # fmt: skip
         d[section].pop(key, None)
+    d.pop("dist")  # how long ranks wait for each other
     return d
 
 
@@ -327,6 +338,9 @@ def _validate(job: Job) -> None:
         raise JobError(f"job.preprocess.min_tiles: {pp.min_tiles} > max_tiles {pp.max_tiles}")
     _choice(pp.overlong, ("error", "truncate"), "job.preprocess.overlong")
     _at_least(pp.workers, 0, "job.preprocess.workers")
+    for key, secs in (("preprocess.row_timeout_s", pp.row_timeout_s), ("dist.timeout_s", job.dist.timeout_s)):
+        if not 0 < secs < float("inf"):
+            raise JobError(f"job.{key}: must be a number of seconds > 0, got {secs!r}")
     for k in ("max_prefill_tokens", "max_vit_tiles"):
         _at_least(getattr(e, k), 1, f"job.engine.{k}")
     _choice(e.vit_mode, ("auto", "tp", "dp"), "job.engine.vit_mode")

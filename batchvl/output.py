@@ -162,6 +162,7 @@ class PartWriter:
             start_chunk = int(_PART_RE.match(parts[-1].name).group(2)) + 1 if parts else 0
         self.chunk = start_chunk
         self.fingerprints = dict(fingerprints or {})
+        self.committed: dict[str, dict] = {}  # part name -> {rows, digest}, for the manifest's record
         self._rows: list[dict] = []
         self._closed = False
 
@@ -187,6 +188,7 @@ class PartWriter:
         table = table.replace_schema_metadata({PART_RECORD: json.dumps(record, sort_keys=True)})
         path = self.out_dir / f"part-{self.rank:05d}-{self.chunk:06d}.parquet"
         _atomic_write(path, lambda f: pq.write_table(table, f))
+        self.committed[path.name] = {"rows": record["rows"], "digest": record["digest"]}
         self._rows = []
         self.chunk += 1
         return path
@@ -224,37 +226,55 @@ def content_digest(table: pa.Table) -> str:
     return h.hexdigest()
 
 
-def part_problem(path: Path, fingerprints: dict[str, str]) -> str | None:
-    """Why a part file cannot count as this job's results (unreadable, another job's, altered), or None."""
+def _part_record(path: Path) -> dict | None:
+    """The record a part carries in its key-value metadata (fingerprints, rows, digest), or None."""
+    raw = (pq.read_schema(path).metadata or {}).get(PART_RECORD)
+    return None if raw is None else json.loads(raw)
+
+
+def part_problem(path: Path, fingerprints: dict[str, str], recorded: dict | None = None) -> str | None:
+    """Why a part file cannot count as this job's results (unreadable, another job's, altered), or None.
+    `recorded`: the manifest's {rows, digest} of the part, written when it was committed."""
     try:
-        raw = (pq.read_schema(path).metadata or {}).get(PART_RECORD)
-        if raw is None:
+        record = _part_record(path)
+        if record is None:
             return "has no batchvl record (written by another program or an older batchvl)"
-        record = json.loads(raw)
         for key, want in fingerprints.items():
             if record.get(key) != want:
                 return f"belongs to another job ({key} {record.get(key)!r}, this job's is {want!r})"
         table = pq.read_table(path)
         if not table.schema.equals(ROW_SCHEMA, check_metadata=False):
             return "does not have batchvl's columns"
-        if table.num_rows != record.get("rows") or content_digest(table) != record.get("digest"):
+        digest = content_digest(table)
+        if table.num_rows != record.get("rows") or digest != record.get("digest"):
             return "does not match its own row count and checksum (altered or corrupt)"
+        if recorded is not None and [recorded.get("rows"), recorded.get("digest")] != [
+            table.num_rows,
+            digest,
+        ]:
+            return "does not match the manifest's record of it (replaced or rewritten since it was committed)"
     except Exception as e:  # noqa: BLE001 - any failure to read it is the finding
         return f"is unreadable ({type(e).__name__}: {e})"
     return None
 
 
 def quarantine_bad_parts(out_dir: str | Path, fingerprints: dict[str, str]) -> list[str]:
-    """Move every part that `part_problem` refuses (and stale temp files) out of the run, into _quarantine/; their
-    ids then run again. Returns one line per moved part."""
+    """Move every part that `part_problem` refuses, given the manifest's record of it (and stale temp files), out of
+    the run, into _quarantine/; their ids then run again. The manifest's `parts` then records exactly the parts that
+    stay (a part a crashed run committed but did not record is taken in). Returns one line per moved part."""
     d = Path(out_dir)
     moved = []
+    manifest = read_manifest(d)
+    recorded = (manifest or {}).get("parts") or {}
+    verified = {}
     for p in d.iterdir() if d.is_dir() else ():
         if _TEMP_RE.match(p.name):
             p.unlink(missing_ok=True)
     for p in _part_files(d):
-        why = part_problem(p, fingerprints)
+        why = part_problem(p, fingerprints, recorded.get(p.name))
         if why is None:
+            own = _part_record(p)
+            verified[p.name] = recorded.get(p.name) or {"rows": own["rows"], "digest": own["digest"]}
             continue
         q = d / QUARANTINE_DIR
         q.mkdir(exist_ok=True)
@@ -265,6 +285,8 @@ def quarantine_bad_parts(out_dir: str | Path, fingerprints: dict[str, str]) -> l
         os.replace(p, dest)
         moved.append(f"{p.name} {why}; moved to {dest.relative_to(d)}, its rows run again")
         log.warning("%s", moved[-1])
+    if manifest is not None and recorded != verified:  # (a new part may take the name of one gone)
+        write_manifest(d, manifest | {"parts": verified})
     return moved
 
 

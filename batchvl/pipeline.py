@@ -38,7 +38,8 @@ if TYPE_CHECKING:  # the engine pulls in the model code: preprocess workers neve
 log = logging.getLogger(__name__)
 # test hook: os._exit(17) once this many rows were handed to the writer (a crash mid-job)
 EXIT_AFTER_ENV = "BATCHVL_EXIT_AFTER_ROWS"
-# test hook: "N:SIGNAME", the process sends itself that signal once N rows were handed to the writer
+# test hook: "N:SIGNAME[:RANK]", the process (of that torchrun rank) sends itself that signal once N rows were handed
+# to the writer
 SIGNAL_AFTER_ENV = "BATCHVL_SIGNAL_AFTER_ROWS"
 
 
@@ -116,13 +117,23 @@ def _pinned(fut: Future) -> tuple:
 
 class Preparer:
     """Prepares rows in source order: a spawn process pool with bounded in-flight work, or in-process (workers=0).
-    pin: page-lock the tiles of finished rows in a helper thread (for a CUDA engine)."""
+    pin: page-lock the tiles of finished rows in a helper thread (for a CUDA engine). row_timeout_s: a row that
+    takes a worker longer fails, and the workers are replaced (in-process, with workers=0, nothing can stop it)."""
 
-    def __init__(self, pre: Callable, workers: int, max_in_flight: int, pin: bool = False) -> None:
+    def __init__(
+        self,
+        pre: Callable,
+        workers: int,
+        max_in_flight: int,
+        pin: bool = False,
+        row_timeout_s: float | None = None,
+    ) -> None:
         self.pre, self.workers, self.max_in_flight = pre, workers, max(1, max_in_flight)
+        self.row_timeout_s = row_timeout_s
         self.queue: deque[tuple[Item, Future | None]] = deque()
         self.pool: ProcessPoolExecutor | None = None
         self.pinner = ThreadPoolExecutor(1, thread_name_prefix="pin") if pin and workers else None
+        self.head_clock: tuple[Item, float] | None = None  # the oldest row in flight, since when it is that
         if workers:
             self._start()
 
@@ -133,6 +144,12 @@ class Preparer:
         )
         self.warming = [self.pool.submit(_warm) for _ in range(self.workers)]
 
+    def _kill(self, wait: bool = False) -> None:
+        """Kill the workers at once (their rows in flight fail with BrokenProcessPool); `wait`: until reaped."""
+        for proc in list((getattr(self.pool, "_processes", None) or {}).values()):
+            proc.kill()
+        self.pool.shutdown(wait=wait, cancel_futures=True)
+
     def wait_warm(self) -> None:
         """Block until the workers have started and loaded their tokenizers (before the job clock starts)."""
         if self.pool is not None:
@@ -140,7 +157,7 @@ class Preparer:
 
     def head_ready(self) -> bool:
         """Whether `pop` would return at once."""
-        return bool(self.queue) and (self.queue[0][1] is None or self.queue[0][1].done())
+        return bool(self.queue) and (self.queue[0][1] is None or self.queue[0][1].done() or self._overdue())
 
     def has_room(self) -> bool:
         return len(self.queue) < (self.max_in_flight if self.pool else 1)
@@ -163,10 +180,14 @@ class Preparer:
     def pop(self, stop: threading.Event | None = None) -> Item:
         """The oldest row, prepared (or with its error); waits for it, raising Stopped when `stop` is set."""
         item, fut = self.queue[0]
-        if fut is not None and stop is not None:
-            while not concurrent.futures.wait([fut], timeout=0.1).done:  # returns as soon as the row is ready
-                if stop.is_set():
-                    raise Stopped
+        while fut is not None and not fut.done():
+            if stop is not None and stop.is_set():
+                raise Stopped
+            if self._overdue():
+                self.queue.popleft()
+                self._fail_overdue(item)
+                return item
+            concurrent.futures.wait([fut], timeout=0.1)  # returns as soon as the row is ready
         self.queue.popleft()
         if fut is None:
             return item
@@ -176,18 +197,35 @@ class Preparer:
             self._recover(item)
         return item
 
-    def _recover(self, item: Item) -> None:
-        """A worker died: restart the pool, retry this row alone, then resubmit the rows behind it."""
-        log.warning("a preprocess worker died; restarting the pool, retrying row %s alone", item.row.id)
-        self.pool.shutdown(wait=False, cancel_futures=True)
+    def _overdue(self) -> bool:
+        """Whether the oldest row in flight has been in a worker for longer than row_timeout_s. Its clock starts
+        when it became the oldest with every worker warm: workers take rows in order, so from then on one has it
+        (it may have started earlier: a row is never cut short, it may get longer)."""
+        if self.row_timeout_s is None or self.pool is None or not self.queue or self.queue[0][1] is None:
+            return False
+        head, now = self.queue[0][0], time.perf_counter()
+        if self.head_clock is None or self.head_clock[0] is not head:
+            if not all(f.done() for f in self.warming):
+                return False
+            self.head_clock = (head, now)
+        return now - self.head_clock[1] > self.row_timeout_s
+
+    def _fail_overdue(self, item: Item) -> None:
+        """The row's worker is stuck: the row fails and fresh workers take the rows behind it."""
+        item.error = (f"preprocessing took longer than preprocess.row_timeout_s ({self.row_timeout_s:g} s); "
+                      "its worker was killed and replaced")  # fmt: skip
+        item.t_start, item.t_prepared = self.head_clock[1], time.perf_counter()
+        log.warning("row %s: %s", item.row.id, item.error)
+        self._restart()
+
+    def _restart(self) -> None:
+        """Kill the workers and start fresh ones, which take the rows in flight that had not finished."""
+        self._kill()
         self._start()
-        try:
-            self._finish(item, self.pool.submit(_prepare_in_worker, item.row.prompt, item.row.image).result())
-        except BrokenProcessPool:
-            item.error = "preprocess worker died on this row"
-            item.t_prepared = time.perf_counter()
-            self.pool.shutdown(wait=False, cancel_futures=True)
-            self._start()
+        self._resubmit()
+
+    def _resubmit(self) -> None:
+        """Give the (new) pool every row in flight that has not finished."""
         rest = list(self.queue)
         self.queue.clear()
         for it, fut in rest:
@@ -195,6 +233,25 @@ class Preparer:
                 self.queue.append((it, fut))  # already finished, or needs no preparation
             else:
                 self.submit(it)
+
+    def _recover(self, item: Item) -> None:
+        """A worker died: retry this row alone on fresh workers (within row_timeout_s), then resubmit the rows
+        behind it."""
+        log.warning("a preprocess worker died; restarting the pool, retrying row %s alone", item.row.id)
+        self._kill()
+        self._start()
+        self.wait_warm()
+        t0 = time.perf_counter()
+        retry = self.pool.submit(_prepare_in_worker, item.row.prompt, item.row.image)
+        try:
+            self._finish(item, retry.result(timeout=self.row_timeout_s))
+        except BrokenProcessPool:
+            item.error, item.t_prepared = "preprocess worker died on this row", time.perf_counter()
+            return self._restart()
+        except concurrent.futures.TimeoutError:
+            self.head_clock = (item, t0)
+            return self._fail_overdue(item)  # (restarts the workers)
+        self._resubmit()
 
     @staticmethod
     def _finish(item: Item, result: tuple) -> None:
@@ -208,12 +265,13 @@ class Preparer:
         item.prepared, item.error = out, err
 
     def close(self, now: bool = False) -> None:
-        """Shut the workers down: after their current rows, or (`now`) killed at once."""
+        """Shut the workers down: after their current rows, or killed at once (`now`, or rows in flight that nobody
+        will collect: one may be stuck)."""
         if self.pool is not None:
-            if now:
-                for proc in list(getattr(self.pool, "_processes", {}).values()):
-                    proc.kill()
-            self.pool.shutdown(wait=True, cancel_futures=True)
+            if now or any(fut is not None and not fut.done() for _, fut in self.queue):
+                self._kill(wait=True)
+            else:
+                self.pool.shutdown(wait=True, cancel_futures=True)
             self.pool = None
         if self.pinner is not None:
             self.pinner.shutdown(wait=True, cancel_futures=True)
@@ -332,7 +390,9 @@ class RowLoop:
         }
         self.exit_after = int(os.environ.get(EXIT_AFTER_ENV, 0))
         after, _, name = os.environ.get(SIGNAL_AFTER_ENV, "").partition(":")
-        self.signal_after = (int(after), getattr(signal, name)) if after else None
+        name, _, rank = name.partition(":")
+        mine = after and rank in ("", os.environ.get("RANK", "0"))
+        self.signal_after = (int(after), getattr(signal, name)) if mine else None
         self.outstanding: set[int] = set()  # source indexes taken from the preparer, not yet written
         self.deferred: deque[tuple[int, dict]] = deque()  # error rows waiting for the rows before them
         self.ready: deque[Item] = deque()  # prepared rows waiting for admission

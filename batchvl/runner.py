@@ -345,7 +345,7 @@ class LoadedModel:
 
 def new_preparer(job: Job, pre: Preprocessor, device: torch.device) -> Preparer:
     p = job.preprocess
-    return Preparer(pre, p.workers, p.prefetch, pin=device.type == "cuda")
+    return Preparer(pre, p.workers, p.prefetch, pin=device.type == "cuda", row_timeout_s=p.row_timeout_s)
 
 
 def load_model(job: Job, ctx: dist.DistContext, engine_factory: Callable, device: torch.device, dtype: torch.dtype,
@@ -404,6 +404,7 @@ def start_manifest(job: Job, ctx: dist.DistContext, device: torch.device, dtype:
         "status": "running",
         "decision": decision,
         "runs": previous.get("runs", []),
+        "parts": previous.get("parts", {}),  # part name -> {rows, digest} once committed; checked on resume
         # this run's number (its rows' `run`), counting runs that died before recording themselves in `runs`
         "runs_started": previous.get("runs_started", len(previous.get("runs", []))) + 1,
     }
@@ -435,7 +436,8 @@ def run_rows(model: LoadedModel, job: Job, rows: Iterable[dict] | None, manifest
         total = count_rows(job.data, rows)
         shard_total = None if total is None else -(-total // ctx.num_replicas)
         prep.wait_warm()
-        dist.barrier(ctx)
+        dist.barrier(ctx, "at the start")
+        beat = dist.Heartbeat(ctx)  # from here a rank that waits for the others tells slow from stalled
         t0 = time.perf_counter()
         if stop is not None:
             stop.rows_flowing = True
@@ -457,6 +459,8 @@ def run_rows(model: LoadedModel, job: Job, rows: Iterable[dict] | None, manifest
         if isinstance(e, GeneratorExit) and writer is not None:
             writer.close()  # the caller stopped early: the rows it was given are on disk
         if manifest is not None:
+            if writer is not None:
+                manifest["parts"] = manifest["parts"] | writer.committed
             ran = [] if loop is None else [loop.counts]
             duration = 0.0 if t0 is None else time.perf_counter() - t0
             _mark_interrupted(ctx, manifest, _this_run(manifest, ctx, duration, load_s, warm_s, ran))
@@ -464,9 +468,11 @@ def run_rows(model: LoadedModel, job: Job, rows: Iterable[dict] | None, manifest
     finally:
         prep.close(now=stop_event is not None and stop_event.is_set())
     log.info("rank done in %.1f s: %s", duration, counts)
+    parts = writer.committed if writer is not None else {}
     # no collectives on a stop: the other ranks may not have been signalled
     if stop_event is not None and stop_event.is_set():
         if manifest is not None:
+            manifest["parts"] = manifest["parts"] | parts  # (other ranks' parts are recorded on resume)
             _mark_interrupted(ctx, manifest, _this_run(manifest, ctx, duration, load_s, warm_s, [counts]))
         raise Interrupted(stop.signum)
     if manifest is None:
@@ -484,12 +490,14 @@ def run_rows(model: LoadedModel, job: Job, rows: Iterable[dict] | None, manifest
     step = getattr(engine, "decode_step", None)
     if step is not None:  # CUDA graphs of the decode step: how many shapes were captured, or why they are off
         counts = counts | {"decode_graphs_captured": step.captures, "decode_graphs_failed": step.failed}
-    all_counts = dist.all_gather_object(ctx, counts)
+    beat.finish()
+    all_counts, all_parts = zip(*dist.all_gather_object(ctx, (counts, parts)), strict=True)
     dist.barrier(ctx)
     if not ctx.is_main:
         return None
-    runs = manifest["runs"] + [_this_run(manifest, ctx, duration, load_s, warm_s, all_counts)]
-    final = manifest | {"ended_at": runs[-1]["ended_at"], "status": "done", "runs": runs}
+    runs = manifest["runs"] + [_this_run(manifest, ctx, duration, load_s, warm_s, list(all_counts))]
+    parts = manifest["parts"] | {name: rec for ps in all_parts for name, rec in ps.items()}
+    final = manifest | {"ended_at": runs[-1]["ended_at"], "status": "done", "runs": runs, "parts": parts}
     summary = run_summary(out, final)
     write_summary(out, summary)
     write_manifest(out, final)
@@ -542,14 +550,13 @@ def run_file(job_file: str, sets: tuple[str, ...] = (), overwrite: bool = False)
     except JobError as e:
         raise click.ClickException(str(e)) from None
     try:
-        ctx = dist.init(
-            job.model.tp, "cuda" if job.model.device != "cpu" and torch.cuda.is_available() else "cpu"
-        )
+        device = "cuda" if job.model.device != "cpu" and torch.cuda.is_available() else "cpu"
+        ctx = dist.init(job.model.tp, device, job.dist.timeout_s)
     except ValueError as e:
         raise click.ClickException(f"job.model.tp: {e}") from None
     try:
         return run_job(job, ctx)
-    except (JobError, ResumeError, FileNotFoundError, MemoryError) as e:
+    except (JobError, ResumeError, FileNotFoundError, MemoryError, dist.RankStalled) as e:
         raise click.ClickException(str(e)) from None
     except Interrupted as e:
         click.echo(

@@ -87,6 +87,8 @@ def test_unknown_top_level_section(tmp_path, files):
         ("engine.max_vit_tiles", 0, r"^job\.engine\.max_vit_tiles: must be >= 1, got 0"),
         ("generation.top_p", 1.5, r"^job\.generation\.top_p: must be in \(0, 1\]"),
         ("model.preset", "internvl9", r"^job\.model\.preset: 'internvl9' is not one of"),
+        ("preprocess.row_timeout_s", 0, r"^job\.preprocess\.row_timeout_s: must be a number of seconds > 0"),
+        ("dist.timeout_s", -1, r"^job\.dist\.timeout_s: must be a number of seconds > 0, got -1"),
     ],
 )  # fmt: skip
 def test_wrong_type_or_value_is_named(tmp_path, files, dotted, value, message):
@@ -191,7 +193,7 @@ def test_fingerprint_ignores_settings_that_keep_results(tmp_path, files):
     assert a == job_for_fingerprint(load_job(p, ["output.overwrite=true", "preprocess.workers=7"]))
     # where the run is written and the engine's batch budgets do not change results (issue 27)
     same = ["output.dir=/elsewhere/run", "output.rows_per_part=3", "engine.max_prefill_tokens=77",
-            "engine.max_vit_tiles=5"]  # fmt: skip
+            "engine.max_vit_tiles=5", "preprocess.row_timeout_s=5", "dist.timeout_s=60"]  # fmt: skip
     assert a == job_for_fingerprint(load_job(p, same))
     assert a != job_for_fingerprint(load_job(p, ["generation.max_new_tokens=5"]))
     json.dumps(a)  # plain data

@@ -15,9 +15,10 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import FakeEngine
+from conftest import FakeEngine, HangingPreprocessor
 
 from batchvl.data import SourceRow
+from batchvl.demo import demo_rows
 from batchvl.engine import Sampling
 from batchvl.job import load_job
 from batchvl.output import (
@@ -26,9 +27,11 @@ from batchvl.output import (
     ResumeError,
     RunLock,
     check_resume,
+    content_digest,
     part_problem,
     read_manifest,
     read_rows,
+    write_manifest,
 )
 from batchvl.pipeline import SIGNAL_AFTER_ENV, Flow, RowLoop
 from batchvl.preprocess import PreprocessConfig, Preprocessor
@@ -128,6 +131,30 @@ def test_error_rows_reach_disk_as_they_come(tmp_path):
     assert max(ahead) <= 2 * prefetch + 2, max(ahead)
 
 
+@pytest.mark.slow
+def test_a_row_stuck_in_a_worker_times_out_and_the_worker_is_replaced(tmp_path, monkeypatch):
+    """A row whose preprocessing hangs (as reading a FIFO did) becomes an error row after row_timeout_s; its
+    worker is killed, fresh ones take the other rows, and the job ends in bounded time with every other row done."""
+    import batchvl.runner as runner
+
+    mark = uuid.uuid4().hex
+    monkeypatch.setattr(runner, "Preprocessor", HangingPreprocessor)
+    monkeypatch.setenv("BATCHVL_TEST_HANG", str(tmp_path / "hanging"))
+    monkeypatch.setenv("BATCHVL_TEST_MARK", mark)  # (spawned workers carry it)
+    lines = [{"id": f"r{i}", "prompt": "hang" if i == 3 else f"question {i}"} for i in range(10)]
+    job = small_job(tmp_path, write_jsonl(tmp_path / "rows.jsonl", lines), "preprocess.workers=1",
+                    "preprocess.row_timeout_s=2", "preprocess.prefetch=4")  # fmt: skip
+    t0 = time.monotonic()
+    summary = run_job(job, engine_factory=fake_factory)
+    assert time.monotonic() - t0 < 60  # the stuck row sleeps 600 s
+    assert (tmp_path / "hanging").exists()
+    got = {r["id"]: r["error"] for r in read_rows(job.output.dir).to_pylist()}
+    assert sorted(got) == sorted(x["id"] for x in lines)
+    assert "preprocess.row_timeout_s (2 s)" in got.pop("r3") and set(got.values()) == {None}
+    assert (summary["successful_requests"], summary["failed_requests"]) == (9, 1)
+    assert not [p for p in marked(mark) if b"spawn_main" in cmdline(p)]  # the stuck worker is gone too
+
+
 # ---------------------------------------------------------------- parts that prove themselves
 
 
@@ -186,6 +213,46 @@ def test_resume_quarantines_truncated_corrupt_and_foreign_parts(tmp_path, caplog
     for name, why in zip(moved, ("unreadable", "checksum", "another job"), strict=True):
         assert any(name in m and why in m for m in caplog.messages), (name, caplog.messages)
     assert read_manifest(out)["status"] == "done"
+
+
+def test_the_manifest_records_each_part_and_a_resume_refuses_one_that_disagrees(tmp_path, caplog):
+    """A part replaced by a self-consistent part of the same job (right fingerprints, its own checksum right) is
+    caught by the manifest's record; a part a crashed run committed but did not record is taken in; a part gone
+    loses its record, so a new part may take its name."""
+    rows = text_rows(tmp_path, 40)
+    job = small_job(tmp_path, rows, "output.rows_per_part=10")
+    run_job(job, engine_factory=fake_factory)
+    out = Path(job.output.dir)
+    first = {r["id"]: r for r in read_rows(out).to_pylist()}
+    man = read_manifest(out)
+    parts = sorted(out.glob("part-*.parquet"))
+    assert sorted(man["parts"]) == [p.name for p in parts]
+    for p in parts:
+        table = pq.read_table(p)
+        assert man["parts"][p.name] == {"rows": table.num_rows, "digest": content_digest(table)} != {}
+    fps = {k: man[k] for k in ("job_fingerprint", "model_fingerprint")}
+    _part(out, [f"r{i:03d}" for i in range(10, 20)], fps=fps, chunk=1)  # passes its own checks
+    assert part_problem(parts[1], fps) is None and "manifest's record" in part_problem(
+        parts[1], fps, man["parts"][parts[1].name]
+    )
+    del man["parts"][parts[2].name]  # as if the run died after committing it
+    write_manifest(out, man)
+    parts[3].unlink()
+    with caplog.at_level("WARNING"):
+        assert run_job(job, engine_factory=fake_factory)["successful_requests"] == 40
+    assert any(parts[1].name in m and "manifest's record" in m for m in caplog.messages), caplog.messages
+    assert [p.name for p in (out / QUARANTINE_DIR).iterdir()] == [parts[1].name]
+    again = {r["id"]: r for r in read_rows(out).to_pylist()}
+    assert len(ids_on_disk(out)) == 40 and {i: r["output_token_ids"] for i, r in again.items()} == {
+        i: r["output_token_ids"] for i, r in first.items()
+    }
+    man = read_manifest(out)
+    on_disk = {p.name: pq.read_table(p) for p in out.glob("part-*.parquet")}
+    assert parts[2].name in man["parts"] and parts[3].name in on_disk  # taken in; the name taken again
+    assert man["parts"] == {n: {"rows": t.num_rows, "digest": content_digest(t)} for n, t in on_disk.items()}
+    run_job(job, engine_factory=fake_factory)  # the records hold: nothing quarantined, nothing runs again
+    assert len(list((out / QUARANTINE_DIR).iterdir())) == 1
+    assert read_manifest(out)["runs"][-1]["counts"][0]["skipped"] == 40
 
 
 def test_a_moved_or_symlinked_run_dir_resumes(tmp_path):
@@ -323,6 +390,13 @@ def marked(mark: str) -> dict[int, int]:
     return found
 
 
+def cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:  # (it just ended)
+        return b""
+
+
 def gone(mark: str, within_s: float = 10.0) -> bool:
     end = time.monotonic() + within_s
     while marked(mark) and time.monotonic() < end:
@@ -351,6 +425,7 @@ def test_a_signal_keeps_every_finished_row_and_marks_the_manifest(tmp_path, sign
     assert 252 <= len(first) < 600 and len(first) == len(ids_on_disk(out))
     man = read_manifest(out)
     assert man["status"] == "interrupted" and man["runs"][-1]["interrupted"] and man["ended_at"]
+    assert sorted(man["parts"]) == sorted(p.name for p in out.glob("part-*.parquet"))  # recorded at the stop
     assert gone(mark, within_s=5), marked(mark)
     assert (tmp_path / "hanging").exists() == bool(workers)
     job = small_job(tmp_path, rows)
@@ -377,6 +452,67 @@ def test_workers_die_with_a_killed_parent(tmp_path):
     finally:
         p.kill()
         p.communicate()
+
+
+# ---------------------------------------------------------------- a stalled rank
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            kids += [int(k) for k in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return kids
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_a_stalled_rank_fails_the_job_naming_it_and_a_rerun_resumes(tmp_path):
+    """torchrun --nproc 2 on gloo: rank 1 freezes (SIGSTOP) after its first row. Rank 0 finishes its own rows, then
+    waits for rank 1 no longer than dist.timeout_s and fails the job with a message naming rank 1 and the setting;
+    the same command, run again, resumes and ends with every row once."""
+    out = tmp_path / "run"
+    cmd = ["torchrun", "--standalone", "--nproc-per-node", "2", "-m", "batchvl.runner", "jobs/demo.yaml",
+           "--set", f"output.dir={out}", "--set", "dist.timeout_s=8", "--set", "output.rows_per_part=1"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    p = subprocess.Popen(cmd, cwd=REPO, env={**env, SIGNAL_AFTER_ENV: "1:SIGSTOP:1"}, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    stopped = None
+    try:
+        end = time.monotonic() + 180
+        while stopped is None and p.poll() is None and time.monotonic() < end:
+            stopped = next((k for k in _children(p.pid) if _state(k) == "T"), None)
+            time.sleep(0.1)
+        assert stopped is not None, "rank 1 never stopped"
+        t_stop = time.monotonic()
+        while any(k != stopped for k in _children(p.pid)) and time.monotonic() < t_stop + 90:
+            time.sleep(0.1)  # rank 0 at work, then waiting for rank 1
+        waited = time.monotonic() - t_stop
+        os.kill(stopped, signal.SIGKILL)  # (torchrun's SIGTERM would wait for a stopped process)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+    assert p.returncode != 0
+    assert "rank(s) 1 did not answer" in err and "dist.timeout_s (8 s)" in err, err[-3000:]
+    assert waited < 45, waited  # about dist.timeout_s after rank 0's last row, not 30 min
+    written = ids_on_disk(out)
+    again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    man = read_manifest(out)
+    assert man["decision"] == "resume" and man["status"] == "done"
+    assert sum(c["skipped"] for c in man["runs"][-1]["counts"]) == len(written) > 0
+    assert sorted(ids_on_disk(out)) == sorted(r["id"] for r in demo_rows())  # every row once
 
 
 # ---------------------------------------------------------------- sampling and resume
