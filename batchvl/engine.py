@@ -481,8 +481,11 @@ class Engine:
     def warm_up(self) -> dict[str, float]:
         """Compile and capture now, before rows flow (and before preprocessing threads run), what a job would
         otherwise compile on its clock: the ViT's tile buckets, each prefill variant of the compiled decoder layers
-        and the decode graph of every row bucket. Seconds per part (nothing to do when eager)."""
+        and the decode graph of every row bucket. Seconds per part (nothing to do when eager). CUDA only: on a CPU,
+        compiling every bucket up front costs more than a job's rows (the compiles happen as rows need them)."""
         secs: dict[str, float] = {}
+        if self.device.type != "cuda":
+            return secs
         t = time.perf_counter()
         if hasattr(self.encode_fn, "warmup"):  # a CompiledEncoder
             self.encode_fn.warmup()
