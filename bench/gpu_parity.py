@@ -40,7 +40,7 @@ from batchvl.llm.kv_cache import blocks_for  # noqa: E402
 from batchvl.model.build import prepare_llm  # noqa: E402
 from batchvl.model.loader import random_model  # noqa: E402
 from batchvl.ops.decode_attention import BLOCK, decode_attention, decode_attention_reference  # noqa: E402
-from batchvl.ops.fp8 import to_fp8  # noqa: E402
+from batchvl.ops.fp8 import Fp8Linear, quantize_rows, to_fp8  # noqa: E402
 from batchvl.ops.prefill_attention import prefill_backend  # noqa: E402
 from batchvl.preprocess import Preprocessor  # noqa: E402
 from batchvl.runner import preprocess_config  # noqa: E402
@@ -209,6 +209,14 @@ def fp8_main(preset: str, smoke: bool) -> int:
         shown = f"{limit:.1e}" if limit is not None else "" if extra is None else f"{extra:.3g}"
         print(f"| {name} | {check} | {value:.3g}{' FAIL' if bad else ''} | {shown} |", flush=True)
 
+    # the compiled FP8 linear (as Inductor builds it inside the job's compiled layers) against the eager one, on a
+    # layer-0 weight and bf16 activations of the seed job's scale: its e4m3 activation bytes and its product
+    lin = Fp8Linear.from_linear(copy.deepcopy(model.llm.layers[0].mlp.gate_up))
+    x = torch.randn(2048, lin.in_features, generator=torch.Generator().manual_seed(3)).to(dev, torch.bfloat16)
+    with torch.inference_mode():
+        same = torch.compile(quantize_rows)(x)[0].view(torch.uint8) == quantize_rows(x)[0].view(torch.uint8)
+        emit("FP8 activation bytes, compiled quantize == eager (fraction)", float(same.float().mean()))
+        emit("FP8 linear compiled vs eager, same input", rel(torch.compile(lin)(x), lin(x)), limit=1e-2)
     updates, linears, kernel = fp8_layer_errors(model, reqs[:layer_rows], dev)
     emit("FP8 linear (_scaled_mm) vs its dequantized fp32 reference, worst", kernel, limit=1e-2)
     worst = max(range(len(updates)), key=updates.__getitem__)

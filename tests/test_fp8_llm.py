@@ -427,3 +427,19 @@ def test_job_refuses_fp8_where_it_cannot_run(tmp_path) -> None:
     with pytest.raises(JobError, match="job.model.quantization: fp8 cannot run here: .* not the cpu"):
         run_job(job, engine_factory=lambda *a: pytest.fail("the model must not load"))
     assert not (tmp_path / "run").exists()
+
+
+def test_compiled_fp8_linear_equals_eager() -> None:
+    """The FP8 linear as Inductor compiles it (the job's compiled layers) quantizes activations to the same e4m3
+    bytes and gives the same product as eager, for bf16 activations as in a job."""
+    g = torch.Generator().manual_seed(4)
+    lin = torch.nn.Linear(256, 384, bias=True)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(384, 256, generator=g) * 0.02)
+    f8 = Fp8Linear.from_linear(lin.to(torch.bfloat16))
+    x = (torch.randn(96, 256, generator=g) * torch.logspace(-3, 2, 96)[:, None]).to(torch.bfloat16)
+    torch._dynamo.reset()
+    q, s = torch.compile(quantize_rows, fullgraph=True)(x)
+    q_ref, s_ref = quantize_rows(x)
+    assert same_bytes(q, q_ref) and torch.equal(s, s_ref)
+    torch.testing.assert_close(torch.compile(f8, fullgraph=True)(x), f8(x), rtol=0, atol=0)
