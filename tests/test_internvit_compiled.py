@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
-from test_internvit import build_pair
+from test_internvit import build_pair, make_cfg
 
+from batchvl.encoder.internvit import VisionEncoder
 from batchvl.encoder.internvit_compiled import (
     CompiledEncoder,
     bucket_for,
@@ -109,6 +111,29 @@ def test_compiled_matches_eager_no_recompile_within_bucket() -> None:
     assert ce.stats.graphs == {4: 4, 2: 4}
     assert ce.stats.padded_tiles == 1 + 1 + 1  # 3->4, 1->2, 3->4
     assert "vit compile" in ce.stats.summary()
+
+
+@pytest.mark.slow
+def test_warmup_compiles_every_graph_through_two_layers() -> None:
+    """The warm-up runs each bucket through the first and last layers only, yet compiles everything the whole
+    encoder needs: afterwards a full call of each bucket compiles nothing and equals eager."""
+    torch._dynamo.reset()
+    cfg = make_cfg("6b")
+    torch.manual_seed(0)
+    enc = VisionEncoder(
+        replace(cfg, vision=replace(cfg.vision, num_layers=4))
+    ).eval()  # the warm-up skips two
+    eager = copy.deepcopy(enc)
+    ce = CompiledEncoder(enc, buckets=[1, 2])
+    ce.warmup()
+    assert ce.stats.graphs == {1: 4, 2: 4}  # embed, layer with next norm, last layer, head
+    for n in (2, 1):
+        px = torch.randn(n, 3, 112, 112)
+        g0 = _graphs()
+        got = ce(px)
+        assert _graphs() == g0, f"{n} tiles compiled after the warm-up"
+        with torch.no_grad():
+            torch.testing.assert_close(got, eager(px), atol=ATOL, rtol=RTOL)
 
 
 @pytest.mark.slow

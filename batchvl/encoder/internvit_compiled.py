@@ -20,7 +20,7 @@ which kernels run:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -141,9 +141,11 @@ def fast_forward(
     embed: Callable = fast_embed,
     layer_fn: Callable = fast_layer,
     head: Callable = fast_head,
+    layers: Sequence[InternViTLayer] | None = None,
 ) -> Tensor:
-    """The whole encoder through `fast_layer` (pass compiled pieces to run compiled)."""
-    layers = enc.vit.layers
+    """The whole encoder through `fast_layer` (pass compiled pieces to run compiled); `layers`: a subset, for
+    compiling without computing every layer."""
+    layers = enc.vit.layers if layers is None else layers
     x, h = embed(enc.vit.embeddings, layers[0].norm1, pixel_values)  # [B, 1+N, C] x2
     for i, layer in enumerate(layers):
         x, h = layer_fn(layer, x, h, layers[i + 1].norm1 if i + 1 < len(layers) else None)
@@ -156,9 +158,10 @@ def fast_forward_inplace(
     embed: Callable = fast_embed,
     layer_fn: Callable = fast_layer_inplace,
     head: Callable = fast_head,
+    layers: Sequence[InternViTLayer] | None = None,
 ) -> Tensor:
     """The whole encoder through `fast_layer_inplace`; `enc`'s layer scales must be folded (`fold_scales`)."""
-    layers = enc.vit.layers
+    layers = enc.vit.layers if layers is None else layers
     x, h = embed(enc.vit.embeddings, layers[0].norm1, pixel_values)  # [B, 1+N, C] x2
     B, T, C = x.shape
     x = x.reshape(B * T, C)  # the residual stream (a fresh tensor), written in place from here on
@@ -273,13 +276,23 @@ class CompiledEncoder:
         self.layer = torch.compile(fast_layer_inplace if self.inplace else fast_layer, **opts)
         self.head = torch.compile(fast_head, **opts)
 
-    def _run(self, px: Tensor) -> Tensor:
+    def _run(self, px: Tensor, layers: Sequence[InternViTLayer] | None = None) -> Tensor:
         # always inference mode and an inference tensor: Dynamo guards on both, so a warm-up under no_grad and an
         # engine call under inference_mode would otherwise compile every bucket twice
         with torch.inference_mode(), sdpa_context(SDPA_BACKEND, px.device):
             px = px if px.is_inference() else px.clone()
             forward = fast_forward_inplace if self.inplace else fast_forward
-            return forward(self.enc, px, self.embed, self.layer, self.head)
+            return forward(self.enc, px, self.embed, self.layer, self.head, layers)
+
+    def _first_call(self, b: int, px: Tensor, layers: Sequence[InternViTLayer] | None = None) -> Tensor:
+        """Run bucket b's first (compiling) call, timed into the stats."""
+        g0, t0 = _graphs_compiled(), time.perf_counter()
+        out = self._run(px, layers)
+        if out.is_cuda:
+            torch.cuda.synchronize(out.device)
+        self.stats.compile_s[b] = time.perf_counter() - t0
+        self.stats.graphs[b] = _graphs_compiled() - g0
+        return out
 
     def _chunks(self, n: int) -> Iterator[tuple[int, int, int]]:
         """(start, tiles, bucket) per call, as `bucket_plan` splits n."""
@@ -299,24 +312,21 @@ class CompiledEncoder:
             if b > m:
                 px = F.pad(px, (0, 0, 0, 0, 0, 0, 0, b - m))  # zero tiles; tiles never interact
                 self.stats.padded_tiles += b - m
-            if b not in self.stats.compile_s:
-                g0, t0 = _graphs_compiled(), time.perf_counter()
-                out = self._run(px)
-                if out.is_cuda:
-                    torch.cuda.synchronize(out.device)
-                self.stats.compile_s[b] = time.perf_counter() - t0
-                self.stats.graphs[b] = _graphs_compiled() - g0
-            else:
-                out = self._run(px)
+            out = self._first_call(b, px) if b not in self.stats.compile_s else self._run(px)
             outs.append(out[:m])
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def warmup(self, sizes: list[int] | None = None) -> CompileStats:
-        """Compile the given buckets (all by default) up front with zero tiles."""
+        """Compile the given buckets (all by default) up front with zero tiles, through the first and last layers
+        only: the others share the first's graph (the last has no next norm), so they would add compute, not
+        compiles (45 layers of the 6B at every bucket: seconds)."""
         p = next(self.enc.parameters())
         S = self.enc.cfg.vision.image_size
+        layers = self.enc.vit.layers
+        ends = [layers[0], layers[-1]] if len(layers) > 1 else [layers[0]]
         for b in sizes or self.buckets:
-            self(torch.zeros(b, 3, S, S, device=p.device, dtype=p.dtype))
+            if b not in self.stats.compile_s:
+                self._first_call(b, torch.zeros(b, 3, S, S, device=p.device, dtype=p.dtype), ends)
         return self.stats
 
 
