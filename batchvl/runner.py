@@ -485,6 +485,9 @@ def run_rows(model: LoadedModel, job: Job, rows: Iterable[dict] | None, manifest
         log.info("%s", counts["vit_compile"])
     # cache hits, decode steps and their rows: this run's
     counts = counts | {k: v - counters_before.get(k, 0) for k, v in getattr(engine, "counters", {}).items()}
+    from batchvl.model.build import compile_cache_counts
+
+    counts |= compile_cache_counts()  # the process's, the load's and warm-up's included: was the cache warm?
     if model.device.type == "cuda":
         counts["peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated(model.device) / 2**30
     step = getattr(engine, "decode_step", None)

@@ -326,3 +326,33 @@ def test_cli_lists_run_and_report():
     assert p.returncode == 0 and "report" in p.stdout and "--version" in p.stdout
     r = CliRunner().invoke(cli, ["run", "--help"])
     assert r.exit_code == 0 and "Usage: cli run [OPTIONS] JOB_FILE" in r.output and "--overwrite" in r.output
+
+
+@pytest.mark.slow
+def test_compile_cache_dir_copied_elsewhere_serves_a_fresh_process(tmp_path) -> None:
+    """engine.cache_dir holds the compiled graphs (even when an import of torch filled Inductor's variable with its
+    default first): a copy of the folder alone serves a second process, as on a fresh machine, with nothing compiled
+    anew; the summary counts both."""
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+
+    def run(cache: Path, out: Path) -> dict:
+        sets = [f"output.dir={out}", f"engine.cache_dir={cache}", "engine.eager=false", "data.limit=2",
+                "generation.max_new_tokens=2"]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "batchvl.runner",
+            "jobs/demo.yaml",
+            *(x for s in sets for x in ("--set", s)),
+        ]
+        subprocess.run(cmd, cwd=REPO, env=env, check=True, capture_output=True, timeout=300)
+        return json.loads((out / "_summary.json").read_text())
+
+    first = run(tmp_path / "a", tmp_path / "run1")
+    assert first["compile_cache_misses"] > 0 and first["compile_cache_hits"] == 0
+    assert any((tmp_path / "a" / "inductor").rglob("*")), "nothing cached under engine.cache_dir"
+    (tmp_path / "a").rename(tmp_path / "b")  # the copy alone: the first folder is gone
+    second = run(tmp_path / "b", tmp_path / "run2")
+    assert (
+        second["compile_cache_hits"] == first["compile_cache_misses"] and second["compile_cache_misses"] == 0
+    )

@@ -32,11 +32,28 @@ TP_VIT_MICRO_BATCHES = (
 
 
 def use_compile_cache(cache_dir: str) -> None:
-    """Inductor's and Triton's on-disk caches under `cache_dir`, unless the environment already names theirs. Read
-    when the first compile happens, so call it before."""
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(cache_dir, "inductor"))
+    """Inductor's and Triton's on-disk caches under `cache_dir`, unless the user's environment names theirs. Read
+    at each compile, so call it before the first."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    # importing parts of torch (e.g. torch.nn.attention.varlen) fills the variable with Inductor's default, which
+    # is no choice of the user's
+    env = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if env is None or os.path.abspath(env) == os.path.abspath(default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_dir, "inductor")
     os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(cache_dir, "triton"))
     torch._inductor.config.fx_graph_cache = True
+
+
+def compile_cache_counts() -> dict[str, int]:
+    """This process's compiled graphs read back from the on-disk cache (hits) and compiled anew (misses)."""
+    from torch._dynamo.utils import counters
+
+    c = counters["inductor"]
+    return {
+        "compile_cache_hits": int(c["fxgraph_cache_hit"]),
+        "compile_cache_misses": int(c["fxgraph_cache_miss"]),
+    }
 
 
 def build_model(
