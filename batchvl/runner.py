@@ -430,7 +430,7 @@ def run_rows(model: LoadedModel, job: Job, rows: Iterable[dict] | None, manifest
     vit_stats = getattr(getattr(engine, "encode_fn", None), "stats", None)
     vit_before = vit_stats.total_compile_s if vit_stats is not None else 0.0
     prep, load_s, warm_s = model.start_run()
-    t0, loop = None, None
+    t0, loop, beat = None, None, None
     stop_event = stop.event if stop is not None else None
     try:
         total = count_rows(job.data, rows)
@@ -467,6 +467,8 @@ def run_rows(model: LoadedModel, job: Job, rows: Iterable[dict] | None, manifest
         raise
     finally:
         prep.close(now=stop_event is not None and stop_event.is_set())
+        if beat is not None:
+            beat.stop()  # this rank's rows are over, however they ended (finish() tells the others)
     log.info("rank done in %.1f s: %s", duration, counts)
     parts = writer.committed if writer is not None else {}
     # no collectives on a stop: the other ranks may not have been signalled
