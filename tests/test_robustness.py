@@ -498,8 +498,8 @@ def _state(pid: int) -> str:
 @pytest.mark.multiproc
 def test_a_stalled_rank_fails_the_job_naming_it_and_a_rerun_resumes(tmp_path):
     """torchrun --nproc 2 on gloo: rank 1 freezes (SIGSTOP) after its first row. Rank 0 finishes its own rows, then
-    waits for rank 1 no longer than dist.timeout_s and fails the job with a message naming rank 1 and the setting;
-    the job, run again, resumes and ends with every row once."""
+    waits for rank 1 no longer than dist.timeout_s and fails the job with a message naming rank 1 and the setting,
+    in the manifest too; the job, run again, resumes and ends with every row once."""
     out = tmp_path / "run"
     cmd = ["torchrun", "--standalone", "--nproc-per-node", "2", "-m", "batchvl.runner", "jobs/demo.yaml",
            "--set", f"output.dir={out}", "--set", "dist.timeout_s=8", "--set", "output.rows_per_part=1"]  # fmt: skip
@@ -526,6 +526,8 @@ def test_a_stalled_rank_fails_the_job_naming_it_and_a_rerun_resumes(tmp_path):
     assert p.returncode != 0
     assert "rank(s) 1 did not answer" in err and "dist.timeout_s (8 s)" in err, err[-3000:]
     assert waited < 45, waited  # about dist.timeout_s after rank 0's last row, not 30 min
+    man = read_manifest(out)  # rank 0 noticed: it recorded why
+    assert man["status"] == "failed" and "rank(s) 1 did not answer" in man["error"], man.get("error")
     written = ids_on_disk(out)
     # the re-run in this process (one rank, no second torchrun start): the resume rules do not depend on the world
     run_job(load_job(REPO / "jobs/demo.yaml", [f"output.dir={out}", "output.rows_per_part=1"]))

@@ -17,7 +17,7 @@ from conftest import BAD_ROWS, FakeEngine, assert_clock_order
 from batchvl.data import shard_of
 from batchvl.demo import demo_rows
 from batchvl.job import load_job
-from batchvl.output import ResumeError, read_manifest, read_rows
+from batchvl.output import ResumeError, read_manifest, read_rows, write_manifest
 from batchvl.pipeline import EXIT_AFTER_ENV
 from batchvl.preprocess import load_tokenizer
 from batchvl.runner import cli, main, run_job
@@ -299,6 +299,10 @@ def test_a_resumed_dir_counts_each_run_once(tmp_path):
     with pytest.raises(BaseException):  # noqa: B017 - however an interrupt surfaces, the job stops
         run_job(job, engine_factory=one_row_batches)
     assert sorted(r["run"] for r in read_rows(job.output.dir).to_pylist()) == [0, 0]
+    man = read_manifest(job.output.dir)
+    assert man["status"] == "interrupted" and man["runs"][0]["interrupted"]  # it recorded itself
+    # as if it had been killed before recording itself: the summary times it by its rows' clock
+    write_manifest(job.output.dir, man | {"runs": []})
     s = run_job(job, engine_factory=one_row_batches)
     rows = read_rows(job.output.dir).to_pylist()
     assert sorted(r["run"] for r in rows) == [0, 0, 1, 1, 1]
