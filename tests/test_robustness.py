@@ -438,15 +438,15 @@ def test_sigint_keeps_every_finished_row_and_marks_the_manifest(tmp_path, monkey
 
 @pytest.mark.slow
 def test_sigterm_keeps_every_finished_row_and_stops_a_worker_stuck_on_a_row(tmp_path):
-    """A job in a subprocess with 2 workers, one stuck on a row ahead of the stop (it never finishes preparing): the
-    process exits with the signal's code, no worker outlives it, and the finished rows are kept."""
+    """A job in a subprocess whose worker is stuck on a row just ahead of the stop (it never finishes preparing;
+    the engine's steps are slowed so that the worker gets there first): the process exits with the signal's code, no
+    worker outlives it, and the finished rows are kept."""
     rows = text_rows(tmp_path, N_ROWS)
     lines = rows.read_text().splitlines()
-    lines[SIGNAL_AT + 48] = json.dumps({"id": f"r{SIGNAL_AT + 48:03d}", "prompt": "hang"})  # prepared ahead
+    lines[SIGNAL_AT + 10] = json.dumps({"id": f"r{SIGNAL_AT + 10:03d}", "prompt": "hang"})
     write_jsonl(rows, lines)
-    p, mark = start_job(
-        tmp_path, rows, "preprocess.workers=2", env={SIGNAL_AFTER_ENV: f"{SIGNAL_AT}:SIGTERM"}
-    )
+    p, mark = start_job(tmp_path, rows, "preprocess.workers=1", env={SIGNAL_AFTER_ENV: f"{SIGNAL_AT}:SIGTERM"},
+                        step_s=0.05)  # fmt: skip
     _, err = p.communicate(timeout=120)
     assert p.returncode == 128 + signal.SIGTERM, err[-3000:]
     assert gone(mark, within_s=5), marked(mark)
