@@ -156,10 +156,11 @@ def broadcast_object(ctx: DistContext, obj: Any, src: int = 0) -> Any:
 
 
 class Heartbeat:
-    """From its start, a thread on each rank bumps its counter in the process group's store every few seconds;
-    finish() waits for every rank to finish its rows for as long as their counters move (a long tail is fine), and
-    raises RankStalled naming the ranks whose counter stood still for ctx.timeout (stalled or dead). Store calls are
-    short: no wait on another rank is left pending in a process that exits (a pending collective would hold it)."""
+    """From its start until stop() or finish(), a thread on each rank bumps its counter in the process group's store
+    every few seconds; finish() waits for every rank to finish its rows for as long as their counters move (a long
+    tail is fine), and raises RankStalled naming the ranks whose counter stood still for ctx.timeout (stalled or
+    dead). Store calls are short: no wait on another rank is left pending in a process that exits (a pending
+    collective would hold it)."""
 
     started = 0  # Heartbeats so far in this process: every rank starts them in the same order, so keys agree
 
@@ -169,18 +170,27 @@ class Heartbeat:
         self.key = f"batchvl/heartbeat{Heartbeat.started}/"
         # the store torch.distributed rendezvoused through (no public accessor)
         self.store = tdist.distributed_c10d._get_default_store() if ctx.distributed else None
+        self._stop = threading.Event()
+        self.thread: threading.Thread | None = None
         if self.store is not None:
-            threading.Thread(target=self._beat, name="heartbeat", daemon=True).start()
+            self.thread = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
+            self.thread.start()
 
     def _beat(self) -> None:
         n = 0
-        while True:
+        while not self._stop.is_set():
             n += 1
             try:
                 self.store.set(f"{self.key}{self.ctx.rank}", str(n))
             except RuntimeError:  # the store is gone: the job is over
                 return
-            time.sleep(self.every)
+            self._stop.wait(self.every)
+
+    def stop(self) -> None:
+        """End the beating thread (this rank's run is over, or it failed); safe to call more than once."""
+        self._stop.set()
+        if self.thread is not None:
+            self.thread.join(timeout=30)  # a store call in flight is short unless the store's host is gone
 
     def finish(self) -> None:
         """This rank's rows are done: wait for every other rank's (RankStalled if one stopped answering)."""
@@ -210,6 +220,8 @@ class Heartbeat:
             raise
         except RuntimeError as e:  # the store's host is gone
             raise _stalled(self.ctx, "at the rendezvous store", e) from None
+        finally:
+            self.stop()
 
 
 def shutdown(ctx: DistContext) -> None:

@@ -57,6 +57,8 @@ class Request:
     # (content key, tiles) of each image, in order, when pixel_values holds several; empty: one image, image_key
     images: tuple[tuple[str | None, int], ...] = ()
     seed: int | None = None  # its own random stream (`sampling.row_seed`); None: one derived from its prompt
+    # (prefix cache key or None, tokens a hit reuses): hashed once, by the engine that first asks (Engine._prefix)
+    prefix: tuple[str | None, int] | None = field(default=None, init=False, repr=False, compare=False)
 
     def image_units(self) -> list[tuple[str | None, int, int]]:
         """(content key, first tile, tiles) of each image in pixel_values: what the image cache holds."""
@@ -198,8 +200,16 @@ class Engine:
 
     # ---- what admitting a request costs ---------------------------------------------------------------------
     def _prefix(self, r: Request) -> tuple[str | None, int]:
-        """(prefix cache key or None, tokens a hit would reuse: the prefix's full blocks)."""
-        if not self.settings.prefix_cache or (r.pixel_values is not None and r.image_key is None):
+        """(prefix cache key or None, tokens a hit would reuse: the prefix's full blocks); hashed once per request,
+        though each scheduling pass asks several times."""
+        if not self.settings.prefix_cache:
+            return None, 0
+        if r.prefix is None:
+            r.prefix = self._prefix_key(r)
+        return r.prefix
+
+    def _prefix_key(self, r: Request) -> tuple[str | None, int]:
+        if r.pixel_values is not None and r.image_key is None:
             return None, 0  # (an image without a content key cannot be told apart from another)
         where = (r.input_ids == self.cfg.image_token_id).nonzero()
         p = int(where[-1]) + 1 if len(where) else 0  # system prompt + user header + image

@@ -446,6 +446,7 @@ def check_resume(
     the keys that differ: `job`, `model` are what the fingerprints hash) or a dir that is not a run's."""
     d = Path(out_dir)
     upgrade_layout(d)
+    # again after the runner's check before its lock: a direct caller's overwrite must be refused here too
     check_output_dir(d, overwrite)
     manifest = read_manifest(d)
     parts = _part_files(d)

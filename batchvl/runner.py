@@ -281,8 +281,8 @@ def _run(job: Job, ctx: dist.DistContext, engine_factory: Callable, device: torc
     manifest = start_manifest(job, ctx, device, dtype, cfg, decision)
     try:  # the manifest says `running` while the model loads
         model = load_model(job, ctx, engine_factory, device, dtype, cfg, tokenizer, pre)
-    except Interrupted:
-        _mark_interrupted(ctx, manifest, _this_run(manifest, ctx, 0.0, 0.0, 0.0, []))
+    except BaseException as e:
+        _mark_stopped(ctx, manifest, _this_run(manifest, ctx, 0.0, 0.0, 0.0, []), e)
         raise
     try:
         return _finish(run_rows(model, job, rows, manifest, stop))
@@ -430,7 +430,7 @@ def run_rows(model: LoadedModel, job: Job, rows: Iterable[dict] | None, manifest
     vit_stats = getattr(getattr(engine, "encode_fn", None), "stats", None)
     vit_before = vit_stats.total_compile_s if vit_stats is not None else 0.0
     prep, load_s, warm_s = model.start_run()
-    t0, loop = None, None
+    t0, loop, beat = None, None, None
     stop_event = stop.event if stop is not None else None
     try:
         total = count_rows(job.data, rows)
@@ -455,26 +455,31 @@ def run_rows(model: LoadedModel, job: Job, rows: Iterable[dict] | None, manifest
         if writer is not None:
             writer.close()  # on a stop too: every finished row reaches disk
         counts, duration = loop.counts, time.perf_counter() - t0
-    except (Interrupted, GeneratorExit) as e:
-        if isinstance(e, GeneratorExit) and writer is not None:
-            writer.close()  # the caller stopped early: the rows it was given are on disk
+    except BaseException as e:
+        if isinstance(e, (GeneratorExit, KeyboardInterrupt)) and writer is not None:
+            writer.close()  # the caller stopped early (or Ctrl-C in a notebook): its finished rows are on disk
         if manifest is not None:
             if writer is not None:
                 manifest["parts"] = manifest["parts"] | writer.committed
             ran = [] if loop is None else [loop.counts]
             duration = 0.0 if t0 is None else time.perf_counter() - t0
-            _mark_interrupted(ctx, manifest, _this_run(manifest, ctx, duration, load_s, warm_s, ran))
+            _mark_stopped(ctx, manifest, _this_run(manifest, ctx, duration, load_s, warm_s, ran), e)
         raise
     finally:
         prep.close(now=stop_event is not None and stop_event.is_set())
+        if beat is not None:
+            beat.stop()  # this rank's rows are over, however they ended (finish() tells the others)
     log.info("rank done in %.1f s: %s", duration, counts)
     parts = writer.committed if writer is not None else {}
     # no collectives on a stop: the other ranks may not have been signalled
     if stop_event is not None and stop_event.is_set():
+        stopped = Interrupted(stop.signum)
         if manifest is not None:
             manifest["parts"] = manifest["parts"] | parts  # (other ranks' parts are recorded on resume)
-            _mark_interrupted(ctx, manifest, _this_run(manifest, ctx, duration, load_s, warm_s, [counts]))
-        raise Interrupted(stop.signum)
+            _mark_stopped(
+                ctx, manifest, _this_run(manifest, ctx, duration, load_s, warm_s, [counts]), stopped
+            )
+        raise stopped
     if manifest is None:
         return None
     if vit_stats is not None:  # compiles the warm-up did not foresee (e.g. a TP ViT's micro-batch sizes)
@@ -493,9 +498,14 @@ def run_rows(model: LoadedModel, job: Job, rows: Iterable[dict] | None, manifest
     step = getattr(engine, "decode_step", None)
     if step is not None:  # CUDA graphs of the decode step: how many shapes were captured, or why they are off
         counts = counts | {"decode_graphs_captured": step.captures, "decode_graphs_failed": step.failed}
-    beat.finish()
-    all_counts, all_parts = zip(*dist.all_gather_object(ctx, (counts, parts)), strict=True)
-    dist.barrier(ctx)
+    try:
+        beat.finish()
+        all_counts, all_parts = zip(*dist.all_gather_object(ctx, (counts, parts)), strict=True)
+        dist.barrier(ctx)
+    except BaseException as e:  # a stalled rank: rank 0, when it is the one that noticed, records why
+        run = _this_run(manifest, ctx, duration, load_s, warm_s, [counts])
+        _mark_stopped(ctx, manifest | {"parts": manifest["parts"] | parts}, run, e)
+        raise
     if not ctx.is_main:
         return None
     runs = manifest["runs"] + [_this_run(manifest, ctx, duration, load_s, warm_s, list(all_counts))]
@@ -522,12 +532,18 @@ def _this_run(manifest: dict, ctx: dist.DistContext, duration: float, load_s: fl
     }
 
 
-def _mark_interrupted(ctx: dist.DistContext, manifest: dict, run: dict) -> None:
-    """Rank 0: the manifest says `interrupted`, with this run's time (its finished rows are on disk)."""
-    if ctx.is_main:
-        runs = manifest["runs"] + [run | {"interrupted": True}]
-        write_manifest(manifest["job"]["output"]["dir"],
-                       manifest | {"ended_at": run["ended_at"], "status": "interrupted", "runs": runs})  # fmt: skip
+def _mark_stopped(ctx: dist.DistContext, manifest: dict, run: dict, error: BaseException) -> None:
+    """Rank 0: the manifest says `interrupted` (a signal, Ctrl-C, or the caller closed the rows early) or `failed`
+    with `error` as its reason, with this run's time (its finished rows are on disk either way)."""
+    if not ctx.is_main:
+        return
+    final = manifest | {"ended_at": run["ended_at"]}
+    if isinstance(error, (Interrupted, KeyboardInterrupt, GeneratorExit)):
+        final |= {"status": "interrupted", "runs": manifest["runs"] + [run | {"interrupted": True}]}
+    else:
+        reason = f"{type(error).__name__}: {error}"
+        final |= {"status": "failed", "error": reason, "runs": manifest["runs"] + [run | {"error": reason}]}
+    write_manifest(manifest["job"]["output"]["dir"], final)
 
 
 def _sampling(g: Any) -> Any:

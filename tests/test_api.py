@@ -200,3 +200,35 @@ def test_a_pipeline_from_job_sections_and_its_errors(tmp_path):
     assert len(built) == 1
     demo = Pipeline.from_job(REPO / "jobs/demo.yaml", engine_factory=counting_factory(built))
     assert sorted(r["id"] for r in demo.run()) == sorted(r["id"] for r in demo_rows())  # the job's own source
+
+
+def test_an_exception_inside_a_run_marks_its_manifest_interrupted_or_failed(tmp_path):
+    """The tiny model: a KeyboardInterrupt inside a run (Ctrl-C in a notebook) leaves the manifest `interrupted`
+    with the finished rows on disk; another exception leaves it `failed` with the reason; the dir then resumes. Here
+    the rows' source raises them (one row at a time in flight, each done at admission: rows finish before)."""
+    pipe = Pipeline(model="tiny-qwen2", data={"allow_text_only": True}, preprocess={"workers": 0, "prefetch": 1},
+                    generation={"max_new_tokens": 1}, output={"rows_per_part": 100})  # fmt: skip
+    rows = [{"id": f"r{i}", "prompt": f"question {i}"} for i in range(6)]
+
+    def source(error: BaseException):
+        yield from rows[:3]
+        raise error
+
+    out = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        list(pipe.run(source(KeyboardInterrupt()), out_dir=out))
+    man = read_manifest(out)
+    assert man["status"] == "interrupted" and man["runs"][-1]["interrupted"] and "error" not in man
+    kept = sorted(r["id"] for r in read_rows(out).to_pylist())
+    assert kept and sum(man["parts"][p]["rows"] for p in man["parts"]) == len(kept)
+    with pytest.raises(ValueError, match="the source broke"):
+        list(pipe.run(source(ValueError("the source broke")), out_dir=out))
+    man = read_manifest(out)
+    assert (
+        man["status"] == "failed"
+        and man["error"] == "ValueError: the source broke" == man["runs"][-1]["error"]
+    )
+    again = sorted(r["id"] for r in pipe.run(rows, out_dir=out))
+    assert again == [f"r{i}" for i in range(6) if f"r{i}" not in kept]
+    assert read_manifest(out)["status"] == "done" and len(read_rows(out)) == 6
+    pipe.close()

@@ -109,7 +109,11 @@ def test_shared_prefix_blocks_are_read_by_several_rows_and_freed():
     assert first[0].output_ids == want[0] and held == 4
     for i, r in enumerate(reqs):
         r.handle = i
+    hashed, key_of = [], eng._prefix_key
+    eng._prefix_key = lambda r: hashed.append(r.handle) or key_of(r)
+    assert [eng.needs_vit(r) for r in reqs[1:]] == [False, False]  # (a scheduling pass asks this, and more)
     eng.admit(reqs[1:])
+    assert hashed == [1, 2]  # each request's prefix hashed once, however often it was asked for
     shared = eng.prefix_cache[next(iter(eng.prefix_cache))][0]
     assert all(eng.pool.refs[b] == 3 for b in shared)  # the cache and both rows in flight
     done = []
