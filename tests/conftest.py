@@ -291,3 +291,23 @@ class HangingPreprocessor(Preprocessor):
             Path(os.environ["BATCHVL_TEST_HANG"]).touch()
             time.sleep(600)
         return super().__call__(prompt, image)
+
+
+def stopped_at_admission(n: int, **engine_kw):
+    """An engine factory for `run_job`: FakeEngines taking one row per batch, whose n-th admission (counted over every
+    engine it builds, so a resumed job goes on) raises KeyboardInterrupt, as Ctrl-C would mid-job."""
+    admitted = [0]
+
+    class Stops(FakeEngine):
+        def admit(self, requests):
+            admitted[0] += 1
+            if admitted[0] == n:
+                raise KeyboardInterrupt
+            return super().admit(requests)
+
+    def factory(*args, **kwargs):
+        eng = Stops(**engine_kw)
+        eng.max_prefill_tokens = 1
+        return eng
+
+    return factory

@@ -8,7 +8,7 @@ import random
 from pathlib import Path
 
 import pytest
-from conftest import FakeEngine
+from conftest import FakeEngine, stopped_at_admission
 
 from batchvl.data import SourceRow
 from batchvl.engine import Sampling
@@ -171,19 +171,7 @@ def test_a_resumed_job_with_own_lengths_writes_every_row_once(tmp_path):
     job = load_job(REPO / "jobs/demo.yaml", ["data.format=jsonl", f"data.path={src}",
                                               f"output.dir={tmp_path / 'run'}", "output.rows_per_part=1"])  # fmt: skip
 
-    class StopsAtSixthBatch(FakeEngine):
-        admitted = 0
-
-        def admit(self, requests):
-            StopsAtSixthBatch.admitted += 1
-            if StopsAtSixthBatch.admitted == 6:
-                raise KeyboardInterrupt  # as Ctrl-C would, mid-job
-            return super().admit(requests)
-
-    def one_row_batches(*args, **kwargs):
-        eng = StopsAtSixthBatch(rows=3)
-        eng.max_prefill_tokens = 1
-        return eng
+    one_row_batches = stopped_at_admission(6, rows=3)
 
     with pytest.raises(BaseException):  # noqa: B017 - however an interrupt surfaces, the job stops
         run_job(job, engine_factory=one_row_batches)

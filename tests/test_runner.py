@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
-from conftest import BAD_ROWS, FakeEngine, assert_clock_order
+from conftest import BAD_ROWS, FakeEngine, assert_clock_order, stopped_at_admission
 
 from batchvl.data import shard_of
 from batchvl.demo import demo_rows
@@ -281,19 +281,7 @@ def test_a_resumed_dir_counts_each_run_once(tmp_path):
     """A run stopped after 2 rows, then resumed: each run's rows carry its number and the summary adds the runs'
     own durations (the stopped run's from its rows' clock) instead of dividing every row by the last run's time."""
 
-    class StopsAtThirdBatch(FakeEngine):
-        admitted = 0
-
-        def admit(self, requests):
-            StopsAtThirdBatch.admitted += 1
-            if StopsAtThirdBatch.admitted == 3:
-                raise KeyboardInterrupt  # as Ctrl-C would, mid-job
-            return super().admit(requests)
-
-    def one_row_batches(*args, **kwargs):
-        eng = StopsAtThirdBatch()
-        eng.max_prefill_tokens = 1
-        return eng
+    one_row_batches = stopped_at_admission(3)
 
     job = _small_job(tmp_path, "generation.max_new_tokens=1", "output.rows_per_part=1")
     with pytest.raises(BaseException):  # noqa: B017 - however an interrupt surfaces, the job stops
