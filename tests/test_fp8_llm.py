@@ -430,19 +430,25 @@ def test_job_refuses_fp8_where_it_cannot_run(tmp_path) -> None:
 
 
 @pytest.mark.slow
-def test_compiled_fp8_decoder_equals_eager() -> None:
-    """The FP8 decoder as the builder prepares it (layers compiled, rounding as eager does: `EAGER_CASTS`) equals
-    eager bit for bit in bf16; without those options Inductor quantizes the fused norm's fp32 values, a few % off."""
+def test_compiled_fp8_decoder_as_accurate_as_eager() -> None:
+    """The FP8 decoder as the builder prepares it (layers compiled) against eager FP8 and the fp32 model. Not bit-equal:
+    where Inductor fuses the norm before an FP8 linear it quantizes the norm's fp32 values, eager its bf16-rounded
+    ones, so some elements land one e4m3 step apart (Inductor's emulate_precision_casts would match eager; it is not
+    yet checked on the GPU's Triton). So: closer to eager than FP8 is to fp32, and no further from fp32 than eager."""
     from batchvl.model.build import prepare_llm
 
-    q = fp8_llm(random_decoder().to(torch.bfloat16))
+    full = random_decoder()
+    q = fp8_llm(copy.deepcopy(full).to(torch.bfloat16))
     g = torch.Generator().manual_seed(5)
     lens = [37, 5, 80]
     ids = torch.cat([torch.randint(0, 1000, (n,), generator=g) for n in lens])
     pos, meta = packed(lens)
     torch._dynamo.reset()
     with torch.inference_mode():
-        want = q(q.embed_tokens(ids), pos, meta, None)
+        ref = full(full.embed_tokens(ids), pos, meta, None)
+        eager = q(q.embed_tokens(ids), pos, meta, None)
         prepare_llm(q, compile=True)
-        got = q(q.embed_tokens(ids), pos, meta, None)
-    torch.testing.assert_close(got, want, rtol=0, atol=0)
+        compiled = q(q.embed_tokens(ids), pos, meta, None)
+    # measured: compiled vs eager 5.3%, compiled vs fp32 8.0%, eager vs fp32 8.2%
+    assert 0 < rel(compiled, eager) <= rel(eager, ref)  # apart by less than FP8's own error
+    assert rel(compiled, ref) <= 1.05 * rel(eager, ref)

@@ -36,7 +36,6 @@ from batchvl.encoder.internvit import (
     VisionEncoder,
     vit_to_tokens,
 )
-from batchvl.ops.fp8 import EAGER_CASTS
 from batchvl.ops.fused_norm import addmm_into, norm_params, shifted_norm
 from batchvl.ops.norm import RMSNorm
 from batchvl.ops.sdpa import sdpa_context
@@ -272,7 +271,7 @@ class CompiledEncoder:
         self.inplace = all(type(m) is nn.Linear for m in lins)
         if self.inplace:
             fold_scales(enc)
-        opts = dict(dynamic=False, fullgraph=True) | ({} if self.inplace else {"options": EAGER_CASTS})
+        opts = dict(dynamic=False, fullgraph=True)
         self.embed = torch.compile(fast_embed, **opts)
         self.layer = torch.compile(fast_layer_inplace if self.inplace else fast_layer, **opts)
         self.head = torch.compile(fast_head, **opts)

@@ -23,7 +23,7 @@ from batchvl.llm.decoder import Decoder
 from batchvl.model.internvl import InternVL
 from batchvl.model.loader import load_model, random_model
 from batchvl.model.memory import MIN_PREFILL_TOKENS, check_fits, memory_plan
-from batchvl.ops.fp8 import EAGER_CASTS, Fp8Linear, fp8_unsupported
+from batchvl.ops.fp8 import fp8_unsupported
 
 log = logging.getLogger(__name__)
 TP_VIT_MICRO_BATCHES = (
@@ -113,10 +113,9 @@ def prepare_llm(llm: Decoder, compile: bool) -> None:
         llm.pad_vocab()
     if not compile:
         return
-    opts = {"options": EAGER_CASTS} if any(isinstance(m, Fp8Linear) for m in llm.modules()) else {}
     for layer in llm.layers:
-        layer.compile(dynamic=True, **opts)
-    llm.compiled_last = torch.compile(llm.layers[-1].forward_last, dynamic=True, **opts)
+        layer.compile(dynamic=True)
+    llm.compiled_last = torch.compile(llm.layers[-1].forward_last, dynamic=True)
 
 
 def vision_encoder(model: InternVL, settings: EngineSpec, ctx: dist.DistContext | None = None) -> Callable:

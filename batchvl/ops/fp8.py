@@ -18,10 +18,6 @@ from torch import Tensor, nn
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
-# Inductor options for graphs with FP8 linears: each quantizes its input, and where Inductor fuses the op before it,
-# it would quantize the fp32 value it holds rather than eager's bf16 one; an e4m3 rounding apart is ~6%, so round
-# as eager does (compiled then quantizes to the same bytes)
-EAGER_CASTS = {"emulate_precision_casts": True}
 
 
 def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -152,7 +148,6 @@ def dequantized_weight(lin: Fp8Linear) -> Tensor:
 
 
 __all__ = [
-    "EAGER_CASTS",
     "FP8",
     "FP8_MAX",
     "Fp8Linear",
