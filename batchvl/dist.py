@@ -34,7 +34,6 @@ class DistContext:
     tp_group: Any = None  # this replica's ranks (None when tp == 1)
     dp_group: Any = None  # ranks with the same tp rank across replicas (None when single-process)
     control: Any = None  # gloo group over all ranks
-    beat: Any = None  # gloo group over all ranks, for the Heartbeat thread alone
     timeout: datetime.timedelta = DEFAULT_TIMEOUT  # of every wait on another rank
 
     @property
@@ -91,7 +90,6 @@ def init(tp: int = 1, device_type: str = "cpu", timeout_s: float | None = None) 
         else:
             tdist.init_process_group("gloo", timeout=t)
     ctx.control = tdist.new_group(backend="gloo", timeout=t)
-    ctx.beat = tdist.new_group(backend="gloo", timeout=t)
     for r in range(world // tp):  # every rank must create every group, in the same order
         g = tdist.new_group(list(range(r * tp, (r + 1) * tp)), timeout=t) if tp > 1 else None
         if r == ctx.replica:
