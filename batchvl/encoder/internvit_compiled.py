@@ -3,8 +3,7 @@
 Same math as `internvit.py` (the eager reference, kept beside it); what differs is where the graph boundaries lie and
 which kernels run:
 
-- one compiled graph per layer, shared by all layers (parameters are graph inputs, so 45 layers compile once per
-  tile-count bucket);
+- one compiled graph per layer, shared by all layers (parameters are graph inputs, so 45 layers compile once);
 - a layer's graph ends with the NEXT layer's norm, so each norm reads the residual stream right after it is written;
 - the residual stream x is written in place by the proj / fc2 GEMMs (`addmm_into`), with the layer scales folded
   into those weights (`fold_scales`) and the biases collected in an fp32 `shift` that each norm adds
@@ -12,7 +11,8 @@ which kernels run:
 - fc1 + GELU is one cuBLASLt GEMM with a GELU epilogue (tanh GELU on CUDA, exact on CPU);
 - attention runs `vit_attention`'s CLS-aware Triton kernel where it has a config (the 300M), else SDPA after the 6B's
   q / k RMSNorm as one Triton pass (`fast_mix`);
-- tile batches are padded up to a bucket, so a long job compiles a handful of shapes.
+- the tile count is a dynamic dimension of every graph (tokens per tile and widths stay static), so any count runs
+  unpadded through one set of graphs (two: Dynamo specializes a size of 1, so one tile has its own).
 
 `fast_layer` is the plain compiled path, for layers whose linears are not `nn.Linear` (FP8) and for the tests' diffs.
 """
@@ -20,7 +20,7 @@ which kernels run:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -135,6 +135,14 @@ def fast_head(projector: Projector, x: Tensor, ratio: float) -> Tensor:
     return projector(vit_to_tokens(x, ratio))
 
 
+def tiles_dynamic(tiles: int, *ts: Tensor) -> None:
+    """Mark dim 0 (tiles, or tiles x tokens) of each tensor dynamic for the compiled pieces it is passed to, so a new
+    tile count does not recompile. Not for 1 tile: Dynamo specializes a size of 1 (those graphs are static)."""
+    if tiles > 1:
+        for t in ts:
+            torch._dynamo.mark_dynamic(t, 0)
+
+
 def fast_forward(
     enc: VisionEncoder,
     pixel_values: Tensor,
@@ -146,9 +154,12 @@ def fast_forward(
     """The whole encoder through `fast_layer` (pass compiled pieces to run compiled); `layers`: a subset, for
     compiling without computing every layer."""
     layers = enc.vit.layers if layers is None else layers
+    tiles_dynamic(pixel_values.shape[0], pixel_values)
     x, h = embed(enc.vit.embeddings, layers[0].norm1, pixel_values)  # [B, 1+N, C] x2
     for i, layer in enumerate(layers):
+        tiles_dynamic(h.shape[0], x, h)
         x, h = layer_fn(layer, x, h, layers[i + 1].norm1 if i + 1 < len(layers) else None)
+    tiles_dynamic(x.shape[0], x)
     return head(enc.projector, x, enc.cfg.downsample_ratio)  # [B, num_image_token, H]
 
 
@@ -162,68 +173,41 @@ def fast_forward_inplace(
 ) -> Tensor:
     """The whole encoder through `fast_layer_inplace`; `enc`'s layer scales must be folded (`fold_scales`)."""
     layers = enc.vit.layers if layers is None else layers
+    tiles_dynamic(pixel_values.shape[0], pixel_values)
     x, h = embed(enc.vit.embeddings, layers[0].norm1, pixel_values)  # [B, 1+N, C] x2
     B, T, C = x.shape
     x = x.reshape(B * T, C)  # the residual stream (a fresh tensor), written in place from here on
     shift = torch.zeros(C, device=x.device, dtype=torch.float32)
     for i, layer in enumerate(layers):
+        tiles_dynamic(h.shape[0], x, h)
         shift, h = layer_fn(layer, x, h, shift, layers[i + 1].norm1 if i + 1 < len(layers) else None)
     x = (x.float() + shift).to(x.dtype).view(B, T, C)
+    tiles_dynamic(x.shape[0], x)
     return head(enc.projector, x, enc.cfg.downsample_ratio)  # [B, num_image_token, H]
 
 
-def default_buckets(max_tiles: int = 128) -> list[int]:
-    """1, 2, 4, 8, 16, then multiples of 16 up to max_tiles (padding waste <= 2x below 16, < 16 tiles above)."""
-    out = [b for b in (1, 2, 4, 8, 16) if b < max_tiles]
-    out += list(range(16, max_tiles + 1, 16)) if max_tiles >= 16 else []
-    return sorted(set(out + [max_tiles]))
-
-
-def bucket_for(n: int, buckets: list[int]) -> int:
-    """Smallest bucket >= n (n must not exceed the largest)."""
-    for b in buckets:
-        if b >= n:
-            return b
-    raise ValueError(f"{n} tiles exceed the largest bucket {buckets[-1]}")
-
-
-def bucket_plan(n: int, buckets: list[int], min_split: int = 16) -> list[int]:
-    """The calls (each a bucket size, computed in order over consecutive tiles) that encode n tiles.
-
-    Full largest buckets first; a rest takes the largest bucket that fits in it while that is >= min_split, and
-    the last small rest is padded up to its bucket. So 231 tiles over the default buckets run as 128 + 96 + 8
-    (one padded tile) rather than 128 + 112 (nine)."""
-    plan, rest, top = [], n, buckets[-1]
-    while rest > 0:
-        b = top if rest >= top else bucket_for(rest, buckets)
-        lower = max((x for x in buckets if x <= rest), default=0)
-        if b > rest and lower >= min_split:
-            b = lower  # exact, no padding; the rest goes on
-        plan.append(b)
-        rest -= b
-    return plan
+def call_kind(tiles: int) -> str:
+    """Which set of graphs a call of this many tiles runs: Dynamo specializes a size of 1, so one tile has its own."""
+    return "1 tile" if tiles == 1 else "2+ tiles"
 
 
 @dataclass
 class CompileStats:
-    """What compilation cost, for the runner's log."""
+    """What compilation cost, for the runner's log: per `call_kind`, the seconds of its first (compiling) call and
+    the Dynamo graphs that call compiled."""
 
-    buckets: list[int] = field(default_factory=list)
-    # bucket -> seconds of its first (compiling) call, and the Dynamo graphs that call compiled
-    compile_s: dict[int, float] = field(default_factory=dict)
-    graphs: dict[int, int] = field(default_factory=dict)
+    compile_s: dict[str, float] = field(default_factory=dict)
+    graphs: dict[str, int] = field(default_factory=dict)
     calls: int = 0
     tiles: int = 0
-    padded_tiles: int = 0  # dummy tiles computed for padding
 
     @property
     def total_compile_s(self) -> float:
         return sum(self.compile_s.values())
 
     def summary(self) -> str:
-        per = ", ".join(f"{b}:{s:.1f}s" for b, s in sorted(self.compile_s.items()))
-        pad = self.padded_tiles / max(self.tiles, 1)
-        return f"vit compile {self.total_compile_s:.1f}s ({per}); {self.calls} calls, padding {pad:.1%}"
+        per = ", ".join(f"{k}: {s:.1f}s {self.graphs[k]} graphs" for k, s in sorted(self.compile_s.items()))
+        return f"vit compile {self.total_compile_s:.1f}s ({per}); {self.calls} calls, {self.tiles} tiles"
 
 
 def _graphs_compiled() -> int:
@@ -238,7 +222,8 @@ _ENTRIES_NEEDED = (
 
 
 def _raise_recompile_limit(entries: int) -> None:
-    """Buckets (and encoders) recompile the same code objects: keep Dynamo's per-code limit above their sum."""
+    """One tile and more (and every encoder) recompile the same code objects: keep Dynamo's per-code limit above
+    their sum."""
     global _ENTRIES_NEEDED
     _ENTRIES_NEEDED += entries
     cfg = torch._dynamo.config
@@ -253,84 +238,71 @@ def _raise_recompile_limit(entries: int) -> None:
 
 
 class CompiledEncoder:
-    """Callable tiles -> tokens: the bucket-padded, per-layer compiled fast forward of one VisionEncoder.
+    """Callable tiles -> tokens: the per-layer compiled fast forward of one VisionEncoder, for any tile count.
 
     Takes the in-place path (`fast_forward_inplace`) when every layer's linears are plain `nn.Linear`, folding the
     layer scales into `enc`'s own weights (so it changes `enc`: build it on the model it will serve); otherwise
-    (FP8 linears) the plain path. Tile counts are padded up to `buckets` (default `default_buckets(max_tiles)`);
-    larger calls run in several (`bucket_plan`). `.stats` for the log.
+    (FP8 linears) the plain path. The tile count is dynamic in the graphs (`tiles_dynamic`), so nothing is padded;
+    calls over `max_tiles` run in near-equal chunks of at most max_tiles (activation memory). `.stats` for the log.
     """
 
-    def __init__(self, enc: VisionEncoder, max_tiles: int = 128, buckets: list[int] | None = None) -> None:
-        self.enc = enc
-        self.buckets = sorted(buckets) if buckets else default_buckets(max_tiles)
-        self.stats = CompileStats(buckets=self.buckets)
-        # with/without next norm per bucket, and room to spare: a hit limit fails hard (fullgraph)
-        _raise_recompile_limit(4 * len(self.buckets))
+    def __init__(self, enc: VisionEncoder, max_tiles: int = 128) -> None:
+        if max_tiles < 1:
+            raise ValueError(f"max_tiles must be >= 1, got {max_tiles}")
+        self.enc, self.max_tiles = enc, max_tiles
+        self.stats = CompileStats()
+        # each piece compiles for 1 and for 2+ tiles, the layer each with and without the next norm: a hit limit
+        # fails hard (fullgraph), and every encoder of the process shares these code objects
+        _raise_recompile_limit(4)
         lins = [m for layer in enc.vit.layers for m in (layer.attn.proj, layer.mlp.fc1, layer.mlp.fc2)]
         self.inplace = all(type(m) is nn.Linear for m in lins)
         if self.inplace:
             fold_scales(enc)
-        opts = dict(dynamic=False, fullgraph=True)
+        opts = dict(dynamic=False, fullgraph=True)  # static but for the dimensions marked by `tiles_dynamic`
         self.embed = torch.compile(fast_embed, **opts)
         self.layer = torch.compile(fast_layer_inplace if self.inplace else fast_layer, **opts)
         self.head = torch.compile(fast_head, **opts)
 
     def _run(self, px: Tensor, layers: Sequence[InternViTLayer] | None = None) -> Tensor:
         # always inference mode and an inference tensor: Dynamo guards on both, so a warm-up under no_grad and an
-        # engine call under inference_mode would otherwise compile every bucket twice
+        # engine call under inference_mode would otherwise compile everything twice
         with torch.inference_mode(), sdpa_context(SDPA_BACKEND, px.device):
             px = px if px.is_inference() else px.clone()
             forward = fast_forward_inplace if self.inplace else fast_forward
             return forward(self.enc, px, self.embed, self.layer, self.head, layers)
 
-    def _first_call(self, b: int, px: Tensor, layers: Sequence[InternViTLayer] | None = None) -> Tensor:
-        """Run bucket b's first (compiling) call, timed into the stats."""
+    def _call(self, px: Tensor, layers: Sequence[InternViTLayer] | None = None) -> Tensor:
+        """Run px; the first call of its `call_kind` (the compiling one) timed into the stats."""
+        kind = call_kind(px.shape[0])
+        if kind in self.stats.compile_s:
+            return self._run(px, layers)
         g0, t0 = _graphs_compiled(), time.perf_counter()
         out = self._run(px, layers)
         if out.is_cuda:
             torch.cuda.synchronize(out.device)
-        self.stats.compile_s[b] = time.perf_counter() - t0
-        self.stats.graphs[b] = _graphs_compiled() - g0
+        self.stats.compile_s[kind] = time.perf_counter() - t0
+        self.stats.graphs[kind] = _graphs_compiled() - g0
         return out
-
-    def _chunks(self, n: int) -> Iterator[tuple[int, int, int]]:
-        """(start, tiles, bucket) per call, as `bucket_plan` splits n."""
-        s = 0
-        for b in bucket_plan(n, self.buckets):
-            yield s, min(b, n - s), b
-            s += b
 
     def __call__(self, pixel_values: Tensor) -> Tensor:
         """[tiles, 3, S, S] -> [tiles, num_image_token, llm_hidden]."""
         n = pixel_values.shape[0]
+        if n == 0:
+            raise ValueError("no tiles to encode")
         self.stats.calls += 1
         self.stats.tiles += n
-        outs = []
-        for s, m, b in self._chunks(n):
-            px = pixel_values[s : s + m]
-            if b > m:
-                px = F.pad(px, (0, 0, 0, 0, 0, 0, 0, b - m))  # zero tiles; tiles never interact
-                self.stats.padded_tiles += b - m
-            out = self._first_call(b, px) if b not in self.stats.compile_s else self._run(px)
-            outs.append(out[:m])
+        outs = [self._call(px) for px in pixel_values.tensor_split(-(-n // self.max_tiles))]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-    def warmup(self, sizes: list[int] | None = None) -> CompileStats:
-        """Compile the given buckets (all by default) up front with zero tiles, through the first and last layers
-        only: the others share the first's graph (the last has no next norm), so they would add compute, not
-        compiles (45 layers of the 6B at every bucket: seconds)."""
+    def warmup(self) -> CompileStats:
+        """Compile everything a job can hit up front, with zero tiles: 1 tile and max_tiles (the 2+ graphs, with
+        the size most calls of a long job have as Inductor's hint), through the first and last layers only: the
+        others share the first's graph (the last has no next norm), so they would add compute, not compiles."""
         p = next(self.enc.parameters())
         S = self.enc.cfg.vision.image_size
         layers = self.enc.vit.layers
         ends = [layers[0], layers[-1]] if len(layers) > 1 else [layers[0]]
-        for b in sizes or self.buckets:
-            if b not in self.stats.compile_s:
-                self._first_call(b, torch.zeros(b, 3, S, S, device=p.device, dtype=p.dtype), ends)
+        for n in sorted({1, self.max_tiles}):
+            if call_kind(n) not in self.stats.compile_s:
+                self._call(torch.zeros(n, 3, S, S, device=p.device, dtype=p.dtype), ends)
         return self.stats
-
-
-def padded_fraction(n: int, buckets: list[int]) -> float:
-    """Share of computed tiles that are padding for a call with n tiles."""
-    computed = sum(bucket_plan(n, buckets))
-    return 1 - n / computed if computed else 0.0
