@@ -28,6 +28,7 @@ from batchvl.model.memory import MIN_PREFILL_TOKENS, activation_bytes
 from batchvl.ops.decode_attention import BLOCK
 from batchvl.ops.fp8 import Fp8Linear
 from batchvl.ops.prefill_attention import PER_SEQ_MIN_MEAN, AttnMeta, prefill_backend
+from batchvl.preprocess import pixel_input
 
 IMAGE_CACHE_ENTRIES = 64  # images' features kept by the image cache
 PREFIX_CACHE_ENTRIES = 64  # prefixes whose pool blocks the prefix cache keeps
@@ -50,7 +51,8 @@ class Request:
     """One prepared row: token ids with <IMG_CONTEXT> placeholders, its tiles and its own generation settings."""
 
     input_ids: torch.Tensor  # [L] int64, CPU
-    pixel_values: torch.Tensor | None = None  # [tiles, 3, 448, 448] float32, CPU
+    # CPU: raw uint8 tiles [tiles, S, S, 3] (normalized on the device) or normalized float tiles [tiles, 3, S, S]
+    pixel_values: torch.Tensor | None = None
     image_key: str | None = None  # content hash of the image(s) + tiling, for the caches
     sampling: Sampling = field(default_factory=Sampling)
     handle: Any = None  # the caller's, given back in `Finished`
@@ -246,8 +248,9 @@ class Engine:
 
     # ---- ViT ---------------------------------------------------------------------------------------------------
     def _encode_tiles(self, tiles: list[torch.Tensor]) -> torch.Tensor:
-        """Tiles of several requests (CPU) -> [N, 256, hidden] on device, in chunks of max_vit_tiles."""
-        px = torch.cat([t.to(self.device, non_blocking=True) for t in tiles]).to(self.dtype)
+        """Tiles of several requests (CPU) -> [N, 256, hidden] on device, in chunks of max_vit_tiles. Raw uint8 tiles
+        cross to the device as they are (a quarter of float32's bytes) and are normalized there."""
+        px = torch.cat([pixel_input(t.to(self.device, non_blocking=True), self.dtype) for t in tiles])
         step = self.settings.max_vit_tiles
         return torch.cat([self.encode_fn(px[i : i + step]) for i in range(0, px.shape[0], step)])
 
@@ -535,7 +538,8 @@ class Engine:
             img = torch.full((c.num_image_token,), c.image_token_id)  # one tile's
             ids = torch.cat([torch.ones(8, dtype=torch.long), img, torch.ones(40, dtype=torch.long)])
             text = ids != c.image_token_id
-            px = torch.zeros(1, 3, c.vision.image_size, c.vision.image_size)
+            s = c.vision.image_size
+            px = torch.zeros(1, s, s, 3, dtype=torch.uint8)  # raw tiles, as a job's rows bring them
             rows = [Request(ids + i * text, px, f"warm-up {i}", quick) for i in (1, 2, 3)]
             for batch in (rows, rows, rows[:1]):  # stored, then hits
                 self.admit(batch)

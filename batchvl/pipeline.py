@@ -87,7 +87,7 @@ def _warm() -> None:
 
 
 def prepare_one(pre: Callable, prompt: Any, image: Any) -> tuple[Prepared | None, str | None, float, float]:
-    """(prepared, error, t_start, t_end); pixel_values travel as numpy between processes."""
+    """(prepared, error, t_start, t_end); pixel_values (raw uint8 tiles) travel as numpy between processes."""
     t0 = time.perf_counter()
     try:
         out, err = pre(prompt, image), None
@@ -106,8 +106,8 @@ def _prepare_in_worker(prompt: Any, image: Any) -> tuple[Prepared | None, str | 
 
 
 def _pinned(fut: Future) -> tuple:
-    """In a helper thread: wait for a worker's result and page-lock its tiles, so the engine's host-to-device copy
-    is asynchronous and no main-thread time goes to it."""
+    """In a helper thread: wait for a worker's result and page-lock its (uint8) tiles, so the engine's host-to-device
+    copy is asynchronous and no main-thread time goes to it; the engine normalizes them on its device."""
     res = fut.result()
     out = res[0]
     if out is not None and out.pixel_values is not None and not isinstance(out.pixel_values, torch.Tensor):

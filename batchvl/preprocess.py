@@ -7,6 +7,7 @@ import hashlib
 import io
 import os
 import stat
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +40,8 @@ MAX_IMAGE_BYTES = 64 * 2**20
 # no token covers more characters than this (Qwen2.5's longest covers 128; NFC may merge up to ~3 characters into
 # one), so a prompt longer than this many characters per allowed token is over-long without tokenizing it
 MAX_CHARS_PER_TOKEN = 512
+# decoded tiles each process keeps (TileMemo): 8 images of the default 13 tiles at most
+MEMO_ENTRIES, MEMO_BYTES = 8, 64 * 2**20
 
 
 class PreprocessError(ValueError):
@@ -220,16 +223,33 @@ def _normalize_lut() -> np.ndarray:
     return ((v - mean) / std).numpy()
 
 
+@functools.lru_cache(maxsize=8)
+def _lut_on(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """_normalize_lut on `device` in `dtype`, copied there once (each entry rounds as its normalized value would)."""
+    return torch.from_numpy(_normalize_lut()).to(device, dtype)
+
+
+def pixel_input(tiles: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The ViT's input [N, 3, S, S] in `dtype`, on the tiles' own device: raw uint8 tiles [N, S, S, 3] go through
+    ToTensor + ImageNet Normalize (a lookup table: bit for bit the same values); float tiles [N, 3, S, S], already
+    normalized, are only cast."""
+    if tiles.dtype != torch.uint8:
+        return tiles.to(dtype)
+    if tiles.dim() != 4 or tiles.shape[-1] != 3:
+        raise ValueError(f"uint8 tiles must be [tiles, S, S, 3], got {list(tiles.shape)}")
+    n, h, w, _ = tiles.shape
+    lut = _lut_on(tiles.device, dtype)
+    out = torch.empty((n, 3, h, w), dtype=dtype, device=tiles.device)
+    for c in range(3):  # index_select: as fast as numpy's take on a CPU; int32 indices keep the scratch small
+        out[:, c] = lut[c].index_select(0, tiles[..., c].reshape(-1).int()).view(n, h, w)
+    return out
+
+
 def to_pixel_values(
     image: Image.Image, min_num: int = 1, max_num: int = 12, image_size: int = 448, use_thumbnail: bool = True
 ) -> torch.Tensor:
-    """Tiles as a float32 [tiles, 3, S, S] tensor, ToTensor + ImageNet Normalize (via a lookup table)."""
-    tiles = _tile_arrays(image, min_num, max_num, image_size, use_thumbnail)
-    lut = _normalize_lut()
-    out = np.empty((len(tiles), 3, image_size, image_size), dtype=np.float32)
-    for c in range(3):
-        np.take(lut[c], tiles[..., c], out=out[:, c])
-    return torch.from_numpy(out)
+    """Tiles as a float32 [tiles, 3, S, S] tensor, ToTensor + ImageNet Normalize (`pixel_input`)."""
+    return pixel_input(torch.from_numpy(_tile_arrays(image, min_num, max_num, image_size, use_thumbnail)))
 
 
 # ---------------------------------------------------------------- prompt
@@ -315,12 +335,37 @@ class Prepared:
     """One tokenized row; num_text_tokens = len(input_ids) - num_image_tokens (template tokens included)."""
 
     input_ids: list[int]
-    pixel_values: torch.Tensor | None
+    pixel_values: torch.Tensor | None  # raw uint8 tiles [tiles, S, S, 3]; `pixel_input` gives the ViT's input
     num_tiles: int
     num_image_tokens: int
     num_text_tokens: int
     image_key: str | None  # the row's images together (one image: its own key)
     images: tuple[tuple[str, int], ...] = ()  # (content key, tiles) of each image, in prompt order
+
+
+class TileMemo:
+    """Decoded tiles by content key, the least recently used dropped first: at most `entries` arrays and `max_bytes`
+    bytes, so a dataset asking many questions about one image decodes it once per process."""
+
+    def __init__(self, entries: int = MEMO_ENTRIES, max_bytes: int = MEMO_BYTES) -> None:
+        self.entries, self.max_bytes = entries, max_bytes
+        self.items: OrderedDict[str, np.ndarray] = OrderedDict()
+        self.nbytes = 0
+
+    def get(self, key: str) -> np.ndarray | None:
+        tiles = self.items.get(key)
+        if tiles is not None:
+            self.items.move_to_end(key)
+        return tiles
+
+    def put(self, key: str, tiles: np.ndarray) -> None:
+        """Keep `tiles` (made read-only: every later row shares them) unless larger than the whole memo."""
+        tiles.flags.writeable = False
+        if tiles.nbytes <= self.max_bytes and key not in self.items:
+            self.items[key] = tiles
+            self.nbytes += tiles.nbytes
+            while len(self.items) > self.entries or self.nbytes > self.max_bytes:
+                self.nbytes -= self.items.popitem(last=False)[1].nbytes
 
 
 class Preprocessor:
@@ -339,10 +384,11 @@ class Preprocessor:
         self.llm_arch = llm_arch
         self._tok: Any = None
         self._ctx_id = -1
+        self._memo = TileMemo()
 
     def __getstate__(self) -> dict[str, Any]:
-        """Pickle without the tokenizer; the receiving process loads (and caches) its own."""
-        return {**self.__dict__, "_tok": None, "_ctx_id": -1}
+        """Pickle without the tokenizer or the memo; the receiving process loads (and caches) its own."""
+        return {**self.__dict__, "_tok": None, "_ctx_id": -1, "_memo": TileMemo()}
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:
@@ -386,25 +432,33 @@ class Preprocessor:
             f"(image and template tokens alone are about {total - len(q_ids)})"
         )
 
-    def _pixels(self, image: Any, max_tiles: int) -> tuple[torch.Tensor, str]:
-        """One image's tiles and its content key (the encoded file, or the pixels, and the tiling)."""
+    def _pixels(self, image: Any, max_tiles: int) -> tuple[np.ndarray, str]:
+        """One image's raw tiles (uint8 [tiles, S, S, 3]; maybe the memo's own, read-only) and its content key
+        (the encoded file, or the pixels, and the tiling). Encoded images are keyed before decoding, so an image
+        seen again in this process is not decoded again."""
         c = self.cfg
-        data, img = _read_source(image, c.max_image_bytes)
-        img = _decode(img, c.max_image_pixels)
         min_tiles = min(c.min_tiles, max_tiles)
-        pixel_values = to_pixel_values(img, min_tiles, max_tiles, c.image_size, c.use_thumbnail)
+        data, img = _read_source(image, c.max_image_bytes)
         h = hashlib.blake2b(digest_size=16)
         h.update(f"{c.image_size},{min_tiles},{max_tiles},{int(c.use_thumbnail)};".encode())
         if data is not None:
             h.update(b"file;")
             h.update(data)
-        else:
-            h.update(f"pixels;{img.width}x{img.height};".encode())
-            h.update(img.tobytes())
-        return pixel_values, h.hexdigest()
+            key = h.hexdigest()
+            tiles = self._memo.get(key)
+            if tiles is None:
+                img = _decode(img, c.max_image_pixels)  # a bad image raises here, every time: nothing is kept
+                tiles = _tile_arrays(img, min_tiles, max_tiles, c.image_size, c.use_thumbnail)
+                self._memo.put(key, tiles)
+            return tiles, key
+        img = _decode(img, c.max_image_pixels)
+        h.update(f"pixels;{img.width}x{img.height};".encode())
+        h.update(img.tobytes())
+        return _tile_arrays(img, min_tiles, max_tiles, c.image_size, c.use_thumbnail), h.hexdigest()
 
     def _images(self, image: Any) -> tuple[torch.Tensor | None, tuple[tuple[str, int], ...]]:
-        """All images' tiles, concatenated in order, and each image's (key, tiles)."""
+        """All images' raw tiles (uint8 [tiles, S, S, 3], a fresh tensor), concatenated in order, and each image's
+        (key, tiles)."""
         images = list(image) if isinstance(image, (list, tuple)) else [] if image is None else [image]
         if not images:
             return None, ()
@@ -418,12 +472,13 @@ class Preprocessor:
             if src is None or (isinstance(src, str) and not src.strip()):
                 raise PreprocessError(f"image {i + 1} of {n} is empty")
             try:
-                pv, key = self._pixels(src, max_tiles)
+                px, key = self._pixels(src, max_tiles)
             except PreprocessError as e:
                 raise PreprocessError(f"image {i + 1} of {n}: {e}" if n > 1 else str(e)) from None
-            tiles.append(pv)
-            keys.append((key, int(pv.shape[0])))
-        return (tiles[0] if n == 1 else torch.cat(tiles)), tuple(keys)
+            tiles.append(px)
+            keys.append((key, len(px)))
+        # a copy, even of one image: the memo's tiles stay as they are whatever callers do with theirs
+        return torch.from_numpy(np.concatenate(tiles)), tuple(keys)
 
     def _bounded(self, prompt: str) -> str:
         """A prompt too long in characters to fit max_input_tokens, refused (or cut, to truncate) before the

@@ -32,7 +32,7 @@ from common import hf_sharing_weights, matmul_ceiling, request_flops, same_token
 from batchvl.job import load_job  # noqa: E402
 from batchvl.model.loader import random_model  # noqa: E402
 from batchvl.output import read_rows  # noqa: E402
-from batchvl.preprocess import Preprocessor  # noqa: E402
+from batchvl.preprocess import Preprocessor, pixel_input  # noqa: E402
 from batchvl.runner import preprocess_config, resolve_dtype  # noqa: E402
 
 try:
@@ -119,7 +119,7 @@ def run_transformers(spec, preset: str, dev, hf_rows: list[dict], batches: list[
     dtype = resolve_dtype(spec, dev)  # the runner's: bfloat16 on GPU, float32 on CPU
     cfg = from_preset(preset)
     pre = Preprocessor(preprocess_config(spec, cfg), llm_arch=cfg.llm.arch)
-    tiles = pre("x", spec.data.image).pixel_values.to(dev, dtype)
+    tiles = pixel_input(pre("x", spec.data.image).pixel_values.to(dev), dtype)
     assert all(x["num_tiles"] == tiles.shape[0] for x in hf_rows), "rows with another tiling than the image's"
     prompts = [x["prompt_token_ids"] for x in hf_rows]
     hf_flops = sum(request_flops(cfg, tiles.shape[0], len(p), new_tokens) for p in prompts)

@@ -42,7 +42,7 @@ from batchvl.model.loader import random_model  # noqa: E402
 from batchvl.ops.decode_attention import BLOCK, decode_attention, decode_attention_reference  # noqa: E402
 from batchvl.ops.fp8 import Fp8Linear, quantize_rows, to_fp8  # noqa: E402
 from batchvl.ops.prefill_attention import prefill_backend  # noqa: E402
-from batchvl.preprocess import Preprocessor  # noqa: E402
+from batchvl.preprocess import Preprocessor, pixel_input  # noqa: E402
 from batchvl.runner import preprocess_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -176,7 +176,7 @@ def fp8_layer_errors(model, reqs: list[Request], dev) -> tuple[list[float], dict
     hooks = [layer.register_forward_hook(check_layer) for layer in model.llm.layers]
     try:
         with torch.inference_mode():
-            feats = [model.encode_images(r.pixel_values.to(dev)) for r in reqs]
+            feats = [model.encode_images(pixel_input(r.pixel_values.to(dev))) for r in reqs]
             reference_logits(model, [r.input_ids for r in reqs], feats, dev)
     finally:
         for h in hooks:

@@ -13,6 +13,7 @@ from batchvl.engine import Engine, Request, Sampling
 from batchvl.job import EngineSpec
 from batchvl.model.build import prepare_llm
 from batchvl.model.loader import random_model
+from batchvl.preprocess import pixel_input
 
 SYSTEM = list(range(100, 130))
 GREEDY = Sampling(max_new_tokens=4, ignore_eos=True)
@@ -58,6 +59,30 @@ def test_batch_equals_each_alone():
     alone = [_tokens(eng, [r])[0] for r in _requests()]
     assert batched == alone
     assert all(len(o) == 4 for o in batched)
+
+
+def test_raw_uint8_tiles_equal_their_normalized_float_tiles():
+    """A row's raw uint8 tiles (as preprocessing hands them over, normalized by the engine) give the same first-token
+    logits and tokens as the float tiles to_pixel_values makes of them, alone and in a batch that mixes both."""
+    g = torch.Generator().manual_seed(3)
+    raw = [torch.randint(0, 256, (n, 448, 448, 3), dtype=torch.uint8, generator=g) for n in (2, 1)]
+    model, cfg = _model()
+    eng = _engine(model, cfg)
+
+    def reqs(float_tiles: list[bool]) -> list[Request]:
+        out = [_request(0, [7 + i, 8, 9], tiles=len(t)) for i, t in enumerate(raw)]
+        for r, t, f in zip(out, raw, float_tiles, strict=True):
+            r.pixel_values = pixel_input(t) if f else t
+        return out
+
+    want = eng.prefill_logits(reqs([True, True]))
+    assert reqs([True, True])[0].pixel_values.dtype == torch.float32
+    for mix in ([False, False], [False, True]):
+        assert torch.equal(eng.prefill_logits(reqs(mix)), want)
+    assert _tokens(eng, reqs([False, False])) == _tokens(eng, reqs([True, True]))
+    unnormalized = reqs([True, True])
+    unnormalized[0].pixel_values = raw[0].permute(0, 3, 1, 2).float()  # the logits do see the pixels
+    assert not torch.allclose(eng.prefill_logits(unnormalized)[0], want[0])
 
 
 def test_sampled_rows_do_not_depend_on_their_batch():

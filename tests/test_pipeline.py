@@ -157,7 +157,10 @@ def test_pixel_values_reach_the_engine_as_tensors(bad_rows_jsonl, tokenizer, tmp
     RowLoop(flow, lambda row: None, t0=0.0).run(rows)
     assert [r.input_ids.dtype for r in seen] == [torch.int64, torch.int64]
     assert (
-        seen[0].pixel_values.shape[1:] == (3, 448, 448) and seen[0].image_key and seen[1].pixel_values is None
+        seen[0].pixel_values.shape[1:] == (448, 448, 3)  # raw tiles: the engine normalizes them
+        and seen[0].pixel_values.dtype == torch.uint8
+        and seen[0].image_key
+        and seen[1].pixel_values is None
     )
 
 

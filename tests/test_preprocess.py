@@ -180,6 +180,100 @@ def test_pixel_values_match_transformers(size):
     torch.testing.assert_close(ours, reference_normalize(pp.dynamic_tiles(img)), atol=1e-6, rtol=0)
 
 
+def lut_reference(tiles: np.ndarray) -> torch.Tensor:
+    """The float tiles as to_pixel_values made them before the engine normalized raw tiles: numpy's take through the
+    lookup table, channel by channel."""
+    lut = pp._normalize_lut()
+    out = np.empty((len(tiles), 3, *tiles.shape[1:3]), dtype=np.float32)
+    for c in range(3):
+        np.take(lut[c], tiles[..., c], out=out[:, c])
+    return torch.from_numpy(out)
+
+
+@pytest.mark.parametrize("which", ["tiger", "odd"])
+def test_raw_tiles_normalize_bit_for_bit(which):
+    """What the engine does with a row's raw uint8 tiles (on its device; here the CPU) equals to_pixel_values and
+    the lookup table the float tiles used to be made with, bit for bit; in bfloat16 too, as a cast of them."""
+    if which == "tiger" and not TIGER.is_file():
+        pytest.skip("../shared/data is absent")
+    img = pp.load_image(TIGER) if which == "tiger" else noise_image(333, 217, seed=5)
+    raw = pp._tile_arrays(img, 1, 12, 448, True)
+    assert raw.dtype == np.uint8 and raw.shape[1:] == (448, 448, 3)
+    got = pp.pixel_input(torch.from_numpy(raw))
+    assert got.dtype == torch.float32 and got.shape == (len(raw), 3, 448, 448) and got.is_contiguous()
+    assert torch.equal(got, pp.to_pixel_values(img))
+    assert torch.equal(got, lut_reference(raw))
+    torch.testing.assert_close(got, reference_normalize(pp.dynamic_tiles(img)), atol=1e-6, rtol=0)
+    assert torch.equal(pp.pixel_input(torch.from_numpy(raw), torch.bfloat16), got.to(torch.bfloat16))
+    assert pp.pixel_input(got) is got  # normalized float tiles pass as they are
+    assert torch.equal(pp.pixel_input(got, torch.bfloat16), got.to(torch.bfloat16))
+    with pytest.raises(ValueError, match=r"\[tiles, S, S, 3\]"):
+        pp.pixel_input(torch.from_numpy(raw).permute(0, 3, 1, 2))  # uint8 in the float layout
+
+
+def counting_decode(monkeypatch) -> list:
+    """Count the calls to the decoder (`_decode`)."""
+    calls, real = [], pp._decode
+    monkeypatch.setattr(pp, "_decode", lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
+def test_memo_decodes_an_image_once(monkeypatch):
+    png = encode(noise_image(700, 300, seed=3))
+    ref = pp.to_pixel_values(pp.load_image(png), 1, 4)
+    calls = counting_decode(monkeypatch)
+    pre = Preprocessor(PreprocessConfig(max_tiles=4))
+    first = pre("What is it?", png)
+    again = pre("Another question", png)
+    assert len(calls) == 1 and again.image_key == first.image_key
+    assert again.pixel_values.dtype == torch.uint8 and torch.equal(again.pixel_values, first.pixel_values)
+    assert torch.equal(pp.pixel_input(first.pixel_values), ref)
+    first.pixel_values.zero_()  # a caller writing to its tiles leaves the memo's as they were
+    assert torch.equal(pre("Third", [png, png]).pixel_values, torch.cat([again.pixel_values] * 2))
+    assert len(calls) == 1
+    pre("A fourth", noise_image(700, 300, seed=3))  # a PIL image is already decoded: no key before decoding
+    assert len(calls) == 2 and len(pre._memo.items) == 1
+    assert not pickle.loads(pickle.dumps(pre))._memo.items  # each worker keeps its own
+
+
+def test_memo_keeps_no_failed_image(monkeypatch):
+    calls = counting_decode(monkeypatch)
+    pre = Preprocessor(PreprocessConfig())
+    jpeg = encode(noise_image(256, 256), "JPEG", quality=95)
+    for _ in range(2):
+        with pytest.raises(PreprocessError, match="truncated"):
+            pre("What is it?", jpeg[: len(jpeg) // 2])
+    assert len(calls) == 2 and not pre._memo.items
+    with pytest.raises(PreprocessError, match="not an image"):
+        pre("What is it?", os.urandom(2000))
+    assert not pre._memo.items
+
+
+def test_memo_is_bounded():
+    memo = pp.TileMemo(entries=3, max_bytes=1000)
+    arrays = {k: np.zeros(n, np.uint8) for k, n in zip("abcde", (100, 200, 300, 400, 1001), strict=True)}
+    for k in "abc":
+        memo.put(k, arrays[k])
+    assert memo.get("a") is arrays["a"]  # now the most recently used
+    memo.put("d", arrays["d"])  # 4 entries: the least recently used (b) goes
+    assert list(memo.items) == ["c", "a", "d"] and memo.nbytes == 800
+    memo.put("e", arrays["e"])  # larger than the whole memo: not kept
+    assert "e" not in memo.items and memo.nbytes == 800
+    memo.put("b", arrays["b"])  # 1000 bytes in 3 entries: c goes for the entry bound
+    assert list(memo.items) == ["a", "d", "b"] and memo.nbytes == 700
+    memo.put("f", np.zeros(600, np.uint8))  # the byte bound: a and d go
+    assert list(memo.items) == ["b", "f"] and memo.nbytes == 800
+    assert not arrays["a"].flags.writeable  # what the memo held is never written to
+
+
+def test_memo_in_a_preprocessor_stays_bounded():
+    pre = Preprocessor(PreprocessConfig(max_tiles=1))
+    for i in range(pp.MEMO_ENTRIES + 3):
+        pre("What is it?", encode(Image.new("RGB", (8, 8), (i, 0, 0))))
+    assert len(pre._memo.items) == pp.MEMO_ENTRIES
+    assert pre._memo.nbytes == pp.MEMO_ENTRIES * 448 * 448 * 3 <= pp.MEMO_BYTES
+
+
 # ---------------------------------------------------------------- images
 
 
@@ -327,7 +421,8 @@ def test_tiger_row(pre, tok):
     if not TIGER.is_file():
         pytest.skip("../shared/data is absent")
     out = pre("Please describe the image shortly.", str(TIGER))
-    assert out.num_tiles == 7 and out.pixel_values.shape == (7, 3, 448, 448)
+    assert out.num_tiles == 7 and out.pixel_values.shape == (7, 448, 448, 3)
+    assert torch.equal(pp.pixel_input(out.pixel_values), pp.to_pixel_values(pp.load_image(TIGER)))
     assert out.input_ids.count(151667) == 1792 == out.num_image_tokens
     assert out.num_text_tokens == len(out.input_ids) - 1792
     # the spliced ids equal tokenizing InternVL's full chat() query in one go
