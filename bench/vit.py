@@ -394,7 +394,7 @@ def run_model(name: str, args, dev: torch.device, dtype: torch.dtype, ceiling: f
             r["x_hf_compiled"] = (
                 r["tiles_per_s"] / base["hf-sdpa-compiled"] if "hf-sdpa-compiled" in base else None
             )
-            r["ours_compile_stats"] = dict(ce.stats.compile_s)
+            r["ours_compile_stats"] = {"compile_s": ce.stats.compile_s, "graphs": ce.stats.graphs}
             rep.add(r)
         del px
     print(f"ours: {ce.stats.summary()}", flush=True)

@@ -12,7 +12,8 @@ which kernels run:
 - attention runs `vit_attention`'s CLS-aware Triton kernel where it has a config (the 300M), else SDPA after the 6B's
   q / k RMSNorm as one Triton pass (`fast_mix`);
 - the tile count is a dynamic dimension of every graph (tokens per tile and widths stay static), so any count runs
-  unpadded through one set of graphs (two: Dynamo specializes a size of 1, so one tile has its own).
+  through one set of graphs; Dynamo specializes a size of 1, so a lone tile runs with a zero tile beside it rather
+  than compiling a second set (warm start-up re-traces every graph).
 
 `fast_layer` is the plain compiled path, for layers whose linears are not `nn.Linear` (FP8) and for the tests' diffs.
 """
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -135,12 +136,11 @@ def fast_head(projector: Projector, x: Tensor, ratio: float) -> Tensor:
     return projector(vit_to_tokens(x, ratio))
 
 
-def tiles_dynamic(tiles: int, *ts: Tensor) -> None:
+def tiles_dynamic(*ts: Tensor) -> None:
     """Mark dim 0 (tiles, or tiles x tokens) of each tensor dynamic for the compiled pieces it is passed to, so a new
-    tile count does not recompile. Not for 1 tile: Dynamo specializes a size of 1 (those graphs are static)."""
-    if tiles > 1:
-        for t in ts:
-            torch._dynamo.mark_dynamic(t, 0)
+    tile count does not recompile (callers pass 2 tiles or more: Dynamo specializes a size of 1)."""
+    for t in ts:
+        torch._dynamo.mark_dynamic(t, 0)
 
 
 def fast_forward(
@@ -154,12 +154,12 @@ def fast_forward(
     """The whole encoder through `fast_layer` (pass compiled pieces to run compiled); `layers`: a subset, for
     compiling without computing every layer."""
     layers = enc.vit.layers if layers is None else layers
-    tiles_dynamic(pixel_values.shape[0], pixel_values)
+    tiles_dynamic(pixel_values)
     x, h = embed(enc.vit.embeddings, layers[0].norm1, pixel_values)  # [B, 1+N, C] x2
     for i, layer in enumerate(layers):
-        tiles_dynamic(h.shape[0], x, h)
+        tiles_dynamic(x, h)
         x, h = layer_fn(layer, x, h, layers[i + 1].norm1 if i + 1 < len(layers) else None)
-    tiles_dynamic(x.shape[0], x)
+    tiles_dynamic(x)
     return head(enc.projector, x, enc.cfg.downsample_ratio)  # [B, num_image_token, H]
 
 
@@ -173,41 +173,37 @@ def fast_forward_inplace(
 ) -> Tensor:
     """The whole encoder through `fast_layer_inplace`; `enc`'s layer scales must be folded (`fold_scales`)."""
     layers = enc.vit.layers if layers is None else layers
-    tiles_dynamic(pixel_values.shape[0], pixel_values)
+    tiles_dynamic(pixel_values)
     x, h = embed(enc.vit.embeddings, layers[0].norm1, pixel_values)  # [B, 1+N, C] x2
     B, T, C = x.shape
     x = x.reshape(B * T, C)  # the residual stream (a fresh tensor), written in place from here on
     shift = torch.zeros(C, device=x.device, dtype=torch.float32)
     for i, layer in enumerate(layers):
-        tiles_dynamic(h.shape[0], x, h)
+        tiles_dynamic(x, h)
         shift, h = layer_fn(layer, x, h, shift, layers[i + 1].norm1 if i + 1 < len(layers) else None)
     x = (x.float() + shift).to(x.dtype).view(B, T, C)
-    tiles_dynamic(x.shape[0], x)
+    tiles_dynamic(x)
     return head(enc.projector, x, enc.cfg.downsample_ratio)  # [B, num_image_token, H]
-
-
-def call_kind(tiles: int) -> str:
-    """Which set of graphs a call of this many tiles runs: Dynamo specializes a size of 1, so one tile has its own."""
-    return "1 tile" if tiles == 1 else "2+ tiles"
 
 
 @dataclass
 class CompileStats:
-    """What compilation cost, for the runner's log: per `call_kind`, the seconds of its first (compiling) call and
-    the Dynamo graphs that call compiled."""
+    """What compilation cost, for the runner's log: the seconds of the first (compiling) call and the Dynamo graphs
+    it compiled (None: not compiled yet)."""
 
-    compile_s: dict[str, float] = field(default_factory=dict)
-    graphs: dict[str, int] = field(default_factory=dict)
+    compile_s: float | None = None
+    graphs: int = 0
     calls: int = 0
     tiles: int = 0
+    padded_tiles: int = 0  # zero tiles run beside a lone tile
 
     @property
     def total_compile_s(self) -> float:
-        return sum(self.compile_s.values())
+        return self.compile_s or 0.0
 
     def summary(self) -> str:
-        per = ", ".join(f"{k}: {s:.1f}s {self.graphs[k]} graphs" for k, s in sorted(self.compile_s.items()))
-        return f"vit compile {self.total_compile_s:.1f}s ({per}); {self.calls} calls, {self.tiles} tiles"
+        return (f"vit compile {self.total_compile_s:.1f}s ({self.graphs} graphs); {self.calls} calls, {self.tiles} "
+                f"tiles, {self.padded_tiles} padding")  # fmt: skip
 
 
 def _graphs_compiled() -> int:
@@ -242,8 +238,9 @@ class CompiledEncoder:
 
     Takes the in-place path (`fast_forward_inplace`) when every layer's linears are plain `nn.Linear`, folding the
     layer scales into `enc`'s own weights (so it changes `enc`: build it on the model it will serve); otherwise
-    (FP8 linears) the plain path. The tile count is dynamic in the graphs (`tiles_dynamic`), so nothing is padded;
-    calls over `max_tiles` run in near-equal chunks of at most max_tiles (activation memory). `.stats` for the log.
+    (FP8 linears) the plain path. The tile count is dynamic in the graphs (`tiles_dynamic`); a lone tile runs with a
+    zero tile beside it (tiles never interact), so one set of graphs serves every call. Calls over `max_tiles` run in
+    near-equal chunks of at most max_tiles (activation memory). `.stats` for the log.
     """
 
     def __init__(self, enc: VisionEncoder, max_tiles: int = 128) -> None:
@@ -251,9 +248,9 @@ class CompiledEncoder:
             raise ValueError(f"max_tiles must be >= 1, got {max_tiles}")
         self.enc, self.max_tiles = enc, max_tiles
         self.stats = CompileStats()
-        # each piece compiles for 1 and for 2+ tiles, the layer each with and without the next norm: a hit limit
-        # fails hard (fullgraph), and every encoder of the process shares these code objects
-        _raise_recompile_limit(4)
+        # the layer compiles with and without the next norm, and every encoder of the process shares these code
+        # objects: a hit limit fails hard (fullgraph)
+        _raise_recompile_limit(2)
         lins = [m for layer in enc.vit.layers for m in (layer.attn.proj, layer.mlp.fc1, layer.mlp.fc2)]
         self.inplace = all(type(m) is nn.Linear for m in lins)
         if self.inplace:
@@ -272,17 +269,22 @@ class CompiledEncoder:
             return forward(self.enc, px, self.embed, self.layer, self.head, layers)
 
     def _call(self, px: Tensor, layers: Sequence[InternViTLayer] | None = None) -> Tensor:
-        """Run px; the first call of its `call_kind` (the compiling one) timed into the stats."""
-        kind = call_kind(px.shape[0])
-        if kind in self.stats.compile_s:
+        """Run px (2 tiles or more); the first (compiling) call timed into the stats."""
+        if self.stats.compile_s is not None:
             return self._run(px, layers)
         g0, t0 = _graphs_compiled(), time.perf_counter()
         out = self._run(px, layers)
         if out.is_cuda:
             torch.cuda.synchronize(out.device)
-        self.stats.compile_s[kind] = time.perf_counter() - t0
-        self.stats.graphs[kind] = _graphs_compiled() - g0
+        self.stats.compile_s = time.perf_counter() - t0
+        self.stats.graphs = _graphs_compiled() - g0
         return out
+
+    def _call_padded(self, px: Tensor) -> Tensor:
+        if px.shape[0] > 1:
+            return self._call(px)
+        self.stats.padded_tiles += 1
+        return self._call(torch.cat([px, torch.zeros_like(px)]))[:1]
 
     def __call__(self, pixel_values: Tensor) -> Tensor:
         """[tiles, 3, S, S] -> [tiles, num_image_token, llm_hidden]."""
@@ -291,18 +293,17 @@ class CompiledEncoder:
             raise ValueError("no tiles to encode")
         self.stats.calls += 1
         self.stats.tiles += n
-        outs = [self._call(px) for px in pixel_values.tensor_split(-(-n // self.max_tiles))]
+        outs = [self._call_padded(px) for px in pixel_values.tensor_split(-(-n // self.max_tiles))]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def warmup(self) -> CompileStats:
-        """Compile everything a job can hit up front, with zero tiles: 1 tile and max_tiles (the 2+ graphs, with
-        the size most calls of a long job have as Inductor's hint), through the first and last layers only: the
-        others share the first's graph (the last has no next norm), so they would add compute, not compiles."""
+        """Compile up front, with max(2, max_tiles) zero tiles (the size most calls of a long job have, as Inductor's
+        hint), through the first and last layers only: the others share the first's graph (the last has no next
+        norm), so they would add compute, not compiles."""
         p = next(self.enc.parameters())
         S = self.enc.cfg.vision.image_size
         layers = self.enc.vit.layers
         ends = [layers[0], layers[-1]] if len(layers) > 1 else [layers[0]]
-        for n in sorted({1, self.max_tiles}):
-            if call_kind(n) not in self.stats.compile_s:
-                self._call(torch.zeros(n, 3, S, S, device=p.device, dtype=p.dtype), ends)
+        if self.stats.compile_s is None:
+            self._call(torch.zeros(max(2, self.max_tiles), 3, S, S, device=p.device, dtype=p.dtype), ends)
         return self.stats
