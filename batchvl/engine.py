@@ -493,9 +493,9 @@ class Engine:
     @torch.inference_mode()
     def warm_up(self) -> dict[str, float]:
         """Compile and capture now, before rows flow (and before preprocessing threads run), what a job would
-        otherwise compile on its clock: the ViT (one tile and more), each prefill variant of the compiled decoder
-        layers and the decode graph of every row bucket. Seconds per part (nothing to do when eager). CUDA only: on a CPU,
-        compiling every bucket up front costs more than a job's rows (the compiles happen as rows need them)."""
+        otherwise compile on its clock: the ViT's one set of graphs, each prefill variant of the compiled decoder
+        layers and the decode graph of every row bucket. Seconds per part (nothing to do when eager). CUDA only: on a
+        CPU, compiling all this up front costs more than a job's rows (the compiles happen as rows need them)."""
         secs: dict[str, float] = {}
         if self.device.type != "cuda":
             return secs
