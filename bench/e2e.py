@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import json
 import os
 import random
@@ -65,13 +66,23 @@ def with_row_lengths(sets: list[str], lo: int, hi: int, tmp: Path) -> list[str]:
     return [*sets, f"data.path={path}"]
 
 
+def source_digest(repo: Path) -> str:
+    """A hash of the library's source files (path and bytes): names the code that ran where the checkout's git
+    history is not the tree's (the device machine gets the working tree over an older history)."""
+    h = hashlib.blake2b(digest_size=6)
+    for f in sorted((repo / "batchvl").rglob("*.py")):
+        h.update(f.relative_to(repo).as_posix().encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
+
+
 def git_commit(repo: Path) -> str:
     git = ["git", "-C", str(repo)]
     head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    digest = f"source {source_digest(repo)}"
     if head.returncode:
-        return "n/a"
+        return digest
     dirty = subprocess.run([*git, "status", "--porcelain", "-uno"], capture_output=True, text=True).stdout
-    return head.stdout.strip() + (" (with uncommitted changes)" if dirty.strip() else "")
+    return head.stdout.strip() + (" (with uncommitted changes)" if dirty.strip() else "") + f", {digest}"
 
 
 def run_runner(repo: Path, job: str, sets: list[str], out: Path) -> dict:
