@@ -218,8 +218,8 @@ _ENTRIES_NEEDED = (
 
 
 def _raise_recompile_limit(entries: int) -> None:
-    """One tile and more (and every encoder) recompile the same code objects: keep Dynamo's per-code limit above
-    their sum."""
+    """Every encoder of the process (and the layer with and without the next norm) recompiles the same code
+    objects: keep Dynamo's per-code limit above their sum."""
     global _ENTRIES_NEEDED
     _ENTRIES_NEEDED += entries
     cfg = torch._dynamo.config
