@@ -364,14 +364,14 @@ class Engine:
         flat = torch.cat(ids).to(dev, non_blocking=True)
         img = [f for f in feats if f is not None]
         h = self.model.embed(flat, torch.cat(img, 0) if img else None)
-        backend = prefill_backend(
-            dev, self.dtype, self.cfg.llm.head_dim, lengths, any(prefix_lens), self.all_heads
-        )
+        backend = prefill_backend(dev, self.dtype, self.cfg.llm.head_dim, any(prefix_lens))
         rows_t = torch.tensor(rows, device=dev)
         top = max(p + n for p, n in zip(prefix_lens, lengths, strict=True)) - 1
-        pos, meta = packed_meta(lengths, prefix_lens, self.tables[rows_t, : blocks_for(top + 1)], backend)
+        table = self.tables[rows_t, : blocks_for(top + 1)]
+        pos, meta = packed_meta(lengths, prefix_lens, table, backend, self.all_heads)
         # each sequence's last token alone through the last layer's attention output and MLP, and lm_head
         last = meta.cu_seqlens[1:].long() - 1
+        unbacked_batch_dims(meta, last)
         return llm.logits(llm(h, pos, meta, self.pool, max_position=top, last=last))
 
     def _remember_prefixes(self, requests, prefixes, hit, feats, seqs) -> None:
@@ -524,14 +524,11 @@ class Engine:
         return time.perf_counter() - t
 
     def _warm_prefill(self) -> None:
-        """Admit dummy rows down each path a job takes, one row and several (Dynamo guards on the attention backend
-        and on a cached prefix, and specializes sizes of one): long rows, short rows, prefix-cache hits. Three and
-        five rows: no model dimension has that size, which duck sizing would tie the batch to. Caches and counters
-        are left as they were."""
+        """Admit dummy rows down each path a job takes: packed prefill, long rows (cuDNN per sequence) and short
+        (flash varlen) through one graph, and prefix-cache hits. Caches and counters are left as they were."""
         counters = dict(self.counters)
         quick = Sampling(max_new_tokens=1, ignore_eos=True)  # finished at admission: nothing stays in flight
-        long, short = PER_SEQ_MIN_MEAN + 1, 25
-        for n, rows in ((long, 1), (long, 3), (short, 1), (short, 5)):
+        for n, rows in ((PER_SEQ_MIN_MEAN + 1, 3), (25, 2)):
             self.admit([Request(torch.ones(n + i, dtype=torch.long), sampling=quick) for i in range(rows)])
         if self.settings.prefix_cache:
             c = self.cfg
@@ -541,15 +538,34 @@ class Engine:
             s = c.vision.image_size
             px = torch.zeros(1, s, s, 3, dtype=torch.uint8)  # raw tiles, as a job's rows bring them
             rows = [Request(ids + i * text, px, f"warm-up {i}", quick) for i in (1, 2, 3)]
-            for batch in (rows, rows, rows[:1]):  # stored, then hits
+            for batch in (rows, rows):  # stored, then hits
                 self.admit(batch)
             self.drop_caches()
         self.counters = counters
 
 
-def packed_meta(lengths: list[int], prefix_lens: list[int], table: torch.Tensor, backend: str = "sdpa"):
+def unbacked_batch_dims(meta: AttnMeta, last: torch.Tensor) -> None:
+    """Keep a prefill's row count B and block-table width W symbolic in the compiled layers, a value of 1 included:
+    Dynamo would otherwise give a lone row or a one-block batch graphs of their own, traced again at every start.
+    Marks meta's [B] / [B+1] tensors, its [B, W] block table and last [B]."""
+    from torch._dynamo.decorators import mark_unbacked
+
+    for t in (meta.cu_seqlens, meta.cu_seqlens_host, meta.kv_lens, meta.cu_seqlens_k, last):
+        if t is not None:
+            mark_unbacked(t, 0)
+    mark_unbacked(meta.block_table, [0, 1])
+
+
+def packed_meta(
+    lengths: list[int],
+    prefix_lens: list[int],
+    table: torch.Tensor,
+    backend: str = "sdpa",
+    all_heads: bool = True,
+):
     """Positions [T] and attention metadata for sequences of `lengths` new tokens after `prefix_lens` tokens already
-    in the pool, sequence i's blocks in table[i] ([B, W] int32 on the device); `backend`: the prefill attention."""
+    in the pool, sequence i's blocks in table[i] ([B, W] int32 on the device); `backend`: the prefill attention;
+    all_heads: every head on this GPU (not under tensor parallelism)."""
     dev = table.device
     new = torch.tensor(lengths, dtype=torch.int64)
     total = [p + n for p, n in zip(prefix_lens, lengths, strict=True)]
@@ -565,6 +581,7 @@ def packed_meta(lengths: list[int], prefix_lens: list[int], table: torch.Tensor,
         slot_pos=pos % BLOCK,
         prefix_lens=prefix_lens if any(prefix_lens) else None,
         backend=backend,
+        all_heads=all_heads,
         kv_lens=torch.tensor(total, device=dev),
         block_table=table,
     )

@@ -66,34 +66,40 @@ def test_packed_prefill_equals_each_alone():
     torch.testing.assert_close(into_pool, packed, **TOL)
 
 
-def test_per_sequence_attention_backend_equals_reference():
-    """backend "cudnn" (one SDPA call per sequence in a custom op, GQA by enable_gqa) equals the reference, also
-    with windows rounded up to PER_SEQ_ROWS that borrow the next sequence's rows (70 -> 128, 5 -> 64) and run past
-    the end (130 -> 192, 3 -> 64: zero rows appended)."""
+def test_per_sequence_and_packed_attention_equal_reference():
+    """backend "cudnn" (one SDPA call per sequence, GQA by enable_gqa) equals the reference, also with windows
+    rounded up to PER_SEQ_ROWS that borrow the next sequence's rows (70 -> 128, 5 -> 64) and run past the end
+    (130 -> 192, 3 -> 64: zero rows appended); so does "packed", the custom op that picks its kernel per call."""
     dec = _decoder()
     g = torch.Generator().manual_seed(4)
     for lengths in ((7, 1, 23, 12), (70, 5, 130, 3)):
         seqs = [torch.randint(0, 1000, (n,), generator=g) for n in lengths]
         with torch.no_grad():
-            torch.testing.assert_close(_run(dec, seqs, backend="cudnn"), _run(dec, seqs), **TOL)
+            want = _run(dec, seqs)
+            torch.testing.assert_close(_run(dec, seqs, backend="cudnn"), want, **TOL)
+            torch.testing.assert_close(_run(dec, seqs, backend="packed"), want, **TOL)
 
 
-def test_prefill_backend_is_chosen_in_one_place(monkeypatch):
-    """The reference off CUDA; on Hopper in bf16 cuDNN per sequence for long sequences with all heads and no cached
-    prefix; flash varlen otherwise (when torch has it)."""
+def test_prefill_backend_and_packed_kernel_are_chosen_in_one_place(monkeypatch):
+    """The reference off CUDA or in fp32; on CUDA the packed op, or flash varlen after a cached prefix. Inside the
+    op, per call: on Hopper in bf16 cuDNN per sequence for long sequences with all heads; flash varlen otherwise."""
     from batchvl.ops import prefill_attention as pa
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert prefill_backend(cpu, torch.bfloat16, 128, [4000], False, True) == "sdpa"
-    assert prefill_backend(cuda, torch.float32, 128, [4000], False, True) == "sdpa"
+    assert prefill_backend(cpu, torch.bfloat16, 128, False) == "sdpa"
+    assert prefill_backend(cuda, torch.float32, 128, False) == "sdpa"
+    assert pa.packed_kernel(cpu, torch.bfloat16, 128, [4000], True) == "sdpa"
     monkeypatch.setattr(pa, "_VARLEN", object())
+    assert prefill_backend(cuda, torch.bfloat16, 128, False) == "packed"
+    assert prefill_backend(cuda, torch.bfloat16, 128, True) == "varlen"  # after a cached prefix
     monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
     for major, want in ((9, "cudnn"), (8, "varlen")):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d, m=major: (m, 0))
-        assert prefill_backend(cuda, torch.bfloat16, 128, [2000, 1500], False, True) == want
-    assert prefill_backend(cuda, torch.bfloat16, 128, [2000, 10], False, True) == "varlen"  # short on average
-    assert prefill_backend(cuda, torch.bfloat16, 128, [2000], True, True) == "varlen"  # after a cached prefix
-    assert prefill_backend(cuda, torch.bfloat16, 128, [2000], False, False) == "varlen"  # tensor parallel
+        assert pa.packed_kernel(cuda, torch.bfloat16, 128, [2000, 1500], True) == want
+    assert pa.packed_kernel(cuda, torch.bfloat16, 128, [2000, 10], True) == "varlen"  # short on average
+    assert pa.packed_kernel(cuda, torch.bfloat16, 128, [2000], False) == "varlen"  # tensor parallel
+    monkeypatch.setattr(pa, "_VARLEN", None)
+    assert pa.packed_kernel(cuda, torch.bfloat16, 128, [20], True) == "sdpa"
 
 
 def test_prefill_then_decode_equals_full_forward():

@@ -127,22 +127,44 @@ def test_eos_stops_unless_ignored():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["sdpa", "cudnn"])
-def test_compiled_llm_equals_eager(backend: str, monkeypatch):
+def test_compiled_llm_equals_eager_and_compiles_only_at_warm_up(monkeypatch):
     """The LLM as the builder prepares it for CUDA (each decoder layer compiled, and the last layer's last-tokens
-    path): same tokens and logits as eager, over two admissions; with "cudnn" the per-sequence attention custom op
-    is traced as one node."""
+    path), prefill through the packed attention op as on a GPU: same tokens and logits as eager, over admissions of
+    1 to 5 rows; and after the warm-up's dummy rows and one decode per row bucket, no batch compiles a graph (a lone
+    row, a one-block row or a row count equal to a model dimension once each compiled again, at every start)."""
+    from torch._dynamo.utils import counters
+
+    from batchvl.llm.decode_step import decode_forward
+
     model, cfg = _model()
-    monkeypatch.setattr("batchvl.engine.prefill_backend", lambda *a: backend)
+    monkeypatch.setattr("batchvl.engine.prefill_backend", lambda *a: "packed")
     reqs = _requests()
+    batches = [reqs[:2], reqs[2:], reqs[3:4], [Request(torch.tensor(SYSTEM[:5]), sampling=GREEDY)], reqs]
     eager = _engine(model, cfg)
-    want = [_tokens(eager, reqs[:2]), _tokens(eager, reqs[2:])]
+    want = [_tokens(eager, b) for b in batches]
     ref = eager.prefill_logits(reqs)
     fast_model = copy.deepcopy(model)
+    torch._dynamo.reset()
     prepare_llm(fast_model.llm, compile=True)
     fast = _engine(fast_model, cfg)
-    assert [_tokens(fast, reqs[:2]), _tokens(fast, reqs[2:])] == want
+
+    class GraphedDecode:  # as on CUDA: rows padded to a bucket, full-width tables (capturing needs CUDA)
+        graphs = True
+
+        def __call__(self, tok, pos, table, pool):
+            return decode_forward(fast_model.llm, tok, pos, table, pool)
+
+    fast.decode_step = GraphedDecode()
+    with torch.inference_mode():
+        fast._warm_prefill()
+        for rows in (64, 32, 8):
+            z = torch.zeros(rows, dtype=torch.long)
+            fast.decode_step(z, z.clone(), fast.tables[:rows], fast.pool)
+    graphs = int(counters["stats"]["unique_graphs"])
+    assert graphs == 3  # prefill layers, the last layer's last tokens, decode layers
+    assert [_tokens(fast, b) for b in batches] == want
     torch.testing.assert_close(fast.prefill_logits(reqs), ref, atol=1e-4, rtol=1e-4)
+    assert int(counters["stats"]["unique_graphs"]) == graphs
 
 
 def test_the_engine_leaves_its_model_unchanged():

@@ -113,6 +113,9 @@ def prepare_llm(llm: Decoder, compile: bool) -> None:
         llm.pad_vocab()
     if not compile:
         return
+    # sizes that happen to be equal (a batch of 64 decode rows and the pool's 64-slot blocks) would otherwise be
+    # tied by Dynamo's duck sizing and compile again when they differ
+    torch.fx.experimental._config.use_duck_shape = False
     for layer in llm.layers:
         layer.compile(dynamic=True)
     llm.compiled_last = torch.compile(llm.layers[-1].forward_last, dynamic=True)

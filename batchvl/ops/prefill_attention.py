@@ -1,12 +1,14 @@
 """Attention for packed (varlen) prefill: a flat token tensor plus `cu_seqlens`, no padding.
 
-Backends, picked per batch by `prefill_backend` (the one place that decides) and run by `prefill_attention`:
+Backends, picked per engine and batch by `prefill_backend` and run by `prefill_attention`:
 - "sdpa": one causal SDPA call per sequence (the reference; any device);
-- "varlen": `torch.nn.attention.varlen.varlen_attn` (flash varlen, CUDA), where this torch has it;
-- "cudnn": one causal SDPA call per sequence with cuDNN's kernel tried first, inside one custom op so a compiled layer
-  traces it as one node (`causal_attn_per_seq`). Faster than flash varlen for long sequences on Hopper once cuDNN has
-  built its plans, so each call is padded to a window of PER_SEQ_ROWS rows: a job's lengths map to a few plans.
-Prefill after a cached prefix takes the varlen path (or the reference off CUDA).
+- "packed": one custom op (`causal_attn_packed`) that picks its kernel per call from the host lengths
+  (`packed_kernel`): cuDNN per sequence, faster than flash varlen for long sequences on Hopper once cuDNN has built
+  its plans, or flash varlen. Deciding inside the op keeps one compiled layer graph for both kernels (a Python
+  branch on the kernel would make Dynamo trace the layer once per kernel, at every start);
+- "varlen" and "cudnn": those two kernels alone (prefill after a cached prefix takes "varlen", or the reference off
+  CUDA).
+The cuDNN path pads each sequence's call to a window of PER_SEQ_ROWS rows: a job's lengths map to a few plans.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ class AttnMeta:
     key_rows: torch.Tensor | None = None  # [Tk] int64, pool blocks
     key_pos: torch.Tensor | None = None  # [Tk] int64, slots in them
     cu_seqlens_host: torch.Tensor | None = None  # cu_seqlens on the CPU (per-sequence loops without a sync)
-    backend: str = "sdpa"  # prefill: "sdpa" | "varlen" | "cudnn" (`prefill_backend`)
+    backend: str = "sdpa"  # prefill: "sdpa" | "packed" | "varlen" | "cudnn" (`prefill_backend`)
+    all_heads: bool = True  # every attention head on this GPU (False under tensor parallelism)
 
 
 def _varlen_fn():
@@ -88,6 +91,17 @@ def prefill_sdpa(q, k, v, meta: AttnMeta, k_cache=None, v_cache=None) -> torch.T
     return torch.cat(outs, 0)
 
 
+def _varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int) -> torch.Tensor:
+    """Flash varlen, causal aligned bottom-right, GQA by the kernel where it can."""
+    kw = {"window_size": (-1, 0)}  # causal, in torch 2.11 and 2.13 alike (2.11 has no is_causal)
+    if "enable_gqa" in _VARLEN_PARAMS:
+        kw["enable_gqa"] = True
+    elif q.shape[1] != k.shape[1]:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return _VARLEN(q, k, v, cu_q, cu_k, max_q, max_k, **kw)
+
+
 def prefill_varlen(q, k, v, meta: AttnMeta, k_cache=None, v_cache=None) -> torch.Tensor:
     """Flash varlen attention over the packed batch (CUDA). After a cached prefix, the keys of each sequence
     (prefix + new) are gathered from the cache; flash aligns the causal mask bottom-right, as needed."""
@@ -99,13 +113,7 @@ def prefill_varlen(q, k, v, meta: AttnMeta, k_cache=None, v_cache=None) -> torch
             v_cache[meta.key_rows, :, meta.key_pos],
         )  # [Tk, Hkv, D]
         cu_k, max_k = meta.cu_seqlens_k, meta.max_seqlen_k
-    kw = {"window_size": (-1, 0)}  # causal, in torch 2.11 and 2.13 alike (2.11 has no is_causal)
-    if "enable_gqa" in _VARLEN_PARAMS:
-        kw["enable_gqa"] = True
-    elif q.shape[1] != k.shape[1]:
-        rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    return _VARLEN(q, k, v, cu_q, cu_k, meta.max_seqlen, max_k, **kw)
+    return _varlen(q, k, v, cu_q, cu_k, meta.max_seqlen, max_k)
 
 
 PER_SEQ_ROWS = 64  # causal_attn_per_seq computes each sequence over a window of a multiple of this many rows
@@ -118,12 +126,12 @@ def per_seq_window(n: int) -> int:
     return -(-n // PER_SEQ_ROWS) * PER_SEQ_ROWS
 
 
-@torch.library.custom_op("batchvl::causal_attn_per_seq", mutates_args=())
 def causal_attn_per_seq(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_host: torch.Tensor, backend: str
 ) -> torch.Tensor:
     """q [T, H, D], k/v [T, Hkv, D] packed, cu_seqlens_host [B+1] (CPU) -> [T, H, D]: causal attention within each
-    sequence, one SDPA call per sequence with `backend` tried first (GQA by SDPA's enable_gqa).
+    sequence, one SDPA call per sequence with `backend` tried first (GQA by SDPA's enable_gqa). Runs inside
+    `causal_attn_packed`, so a compiled layer traces it as one node.
 
     Each call covers the sequence's rows plus the following ones up to a multiple of PER_SEQ_ROWS (zero rows past
     the end), all of one layout (contiguous [rows, heads, D]): so a job's lengths map to a handful of shapes and
@@ -148,40 +156,73 @@ def causal_attn_per_seq(
     return torch.cat(outs) if len(outs) > 1 else outs[0].contiguous()
 
 
-@causal_attn_per_seq.register_fake
-def _(q, k, v, cu_seqlens_host, backend):
-    return q.new_empty(q.shape)  # contiguous, as the cat returns it
-
-
-def prefill_per_seq(q, k, v, meta: AttnMeta, backend: str = "cudnn") -> torch.Tensor:
-    """Packed causal prefill without a cached prefix, one fused SDPA call per sequence (see `causal_attn_per_seq`)."""
-    cu = meta.cu_seqlens_host if meta.cu_seqlens_host is not None else meta.cu_seqlens.cpu()
-    # v is a view of the qkv output: made contiguous here, a compiled layer writes it in its RoPE kernel's pass
-    return causal_attn_per_seq(q, k, v.contiguous(), cu, backend)
-
-
-def prefill_backend(
-    q_device: torch.device,
-    dtype: torch.dtype,
-    head_dim: int,
-    lengths: list[int],
-    has_prefix: bool,
-    all_heads: bool,
+def packed_kernel(
+    device: torch.device, dtype: torch.dtype, head_dim: int, lengths: list[int], all_heads: bool
 ) -> str:
-    """The prefill attention for one packed batch: "cudnn" per sequence on Hopper in bf16 / fp16 for long sequences,
-    without a cached prefix and with every head on this GPU (under tensor parallelism each call would carry a
-    fraction of the work for the same host cost); else flash "varlen" where it runs; else the "sdpa" reference."""
-    half = q_device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+    """The kernel `causal_attn_packed` runs for one batch without a cached prefix: "cudnn" per sequence on Hopper
+    in bf16 / fp16 for long sequences with every head on this GPU (under tensor parallelism each call would carry a
+    fraction of the work for the same host cost); else flash "varlen" where it runs; else "sdpa" per sequence."""
+    half = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
     if not half:
         return "sdpa"
-    hopper = torch.backends.cudnn.is_available() and torch.cuda.get_device_capability(q_device)[0] == 9
-    if hopper and all_heads and not has_prefix and sum(lengths) >= PER_SEQ_MIN_MEAN * len(lengths):
+    hopper = torch.backends.cudnn.is_available() and torch.cuda.get_device_capability(device)[0] == 9
+    if hopper and all_heads and sum(lengths) >= PER_SEQ_MIN_MEAN * len(lengths):
         return "cudnn"
     return "varlen" if _VARLEN is not None and head_dim <= 256 else "sdpa"
 
 
+@torch.library.custom_op("batchvl::causal_attn_packed", mutates_args=())
+def causal_attn_packed(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    cu_seqlens_host: torch.Tensor,
+    all_heads: bool,
+) -> torch.Tensor:
+    """q [T, H, D], k / v [T, Hkv, D] packed, cu_seqlens [B+1] on q's device and on the CPU -> [T, H, D]: causal
+    attention within each sequence through `packed_kernel`'s choice for these lengths."""
+    lengths = cu_seqlens_host.diff().tolist()
+    kernel = packed_kernel(q.device, q.dtype, q.shape[2], lengths, all_heads)
+    if kernel == "varlen":
+        return _varlen(
+            q, k, v, cu_seqlens.to(torch.int32), cu_seqlens.to(torch.int32), max(lengths), max(lengths)
+        )
+    return causal_attn_per_seq(q, k, v, cu_seqlens_host, "cudnn" if kernel == "cudnn" else "auto")
+
+
+@causal_attn_packed.register_fake
+def _(q, k, v, cu_seqlens, cu_seqlens_host, all_heads):
+    return q.new_empty(q.shape)  # contiguous, as both kernels return it
+
+
+def prefill_per_seq(q, k, v, meta: AttnMeta, backend: str = "cudnn") -> torch.Tensor:
+    """Packed causal prefill without a cached prefix, one SDPA call per sequence (see `causal_attn_per_seq`)."""
+    cu = meta.cu_seqlens_host if meta.cu_seqlens_host is not None else meta.cu_seqlens.cpu()
+    return causal_attn_per_seq(q, k, v.contiguous(), cu, backend)
+
+
+def prefill_packed(q, k, v, meta: AttnMeta) -> torch.Tensor:
+    """Packed causal prefill without a cached prefix through `causal_attn_packed`."""
+    cu = meta.cu_seqlens_host if meta.cu_seqlens_host is not None else meta.cu_seqlens.cpu()
+    # v is a view of the qkv output: made contiguous here, a compiled layer writes it in its RoPE kernel's pass
+    return causal_attn_packed(q, k, v.contiguous(), meta.cu_seqlens, cu, meta.all_heads)
+
+
+def prefill_backend(q_device: torch.device, dtype: torch.dtype, head_dim: int, has_prefix: bool) -> str:
+    """The prefill attention for one packed batch: on CUDA in bf16 / fp16 "packed" (the kernel chosen per call), or
+    "varlen" after a cached prefix, where flash varlen runs; else the "sdpa" reference."""
+    if not (q_device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)):
+        return "sdpa"
+    if has_prefix:
+        return "varlen" if _VARLEN is not None and head_dim <= 256 else "sdpa"
+    return "packed"
+
+
 def prefill_attention(q, k, v, meta: AttnMeta, k_cache=None, v_cache=None) -> torch.Tensor:
     """q [T, H, D], k / v [T, Hkv, D] packed -> [T, H, D] through `meta.backend`."""
+    if meta.backend == "packed":
+        return prefill_packed(q, k, v, meta)
     if meta.backend == "cudnn":
         return prefill_per_seq(q, k, v, meta)
     if meta.backend == "varlen":
