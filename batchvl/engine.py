@@ -56,15 +56,17 @@ class Request:
     image_key: str | None = None  # content hash of the image(s) + tiling, for the caches
     sampling: Sampling = field(default_factory=Sampling)
     handle: Any = None  # the caller's, given back in `Finished`
-    # (content key, tiles) of each image, in order, when pixel_values holds several; empty: one image, image_key
+    # (content key, tiles) of each image, in order, when pixel_values holds several or was not sent (every image in
+    # the image cache); empty: one image, image_key
     images: tuple[tuple[str | None, int], ...] = ()
     seed: int | None = None  # its own random stream (`sampling.row_seed`); None: one derived from its prompt
     # (prefix cache key or None, tokens a hit reuses): hashed once, by the engine that first asks (Engine._prefix)
     prefix: tuple[str | None, int] | None = field(default=None, init=False, repr=False, compare=False)
 
     def image_units(self) -> list[tuple[str | None, int, int]]:
-        """(content key, first tile, tiles) of each image in pixel_values: what the image cache holds."""
-        if self.pixel_values is None:
+        """(content key, first tile, tiles) of each image in pixel_values (or of `images` alone, when their tiles were
+        not sent: the image cache holds them): what the image cache holds."""
+        if self.pixel_values is None and not self.images:
             return []
         if not self.images:
             return [(self.image_key, 0, int(self.pixel_values.shape[0]))]
@@ -211,7 +213,7 @@ class Engine:
         return r.prefix
 
     def _prefix_key(self, r: Request) -> tuple[str | None, int]:
-        if r.pixel_values is not None and r.image_key is None:
+        if r.image_units() and r.image_key is None:
             return None, 0  # (an image without a content key cannot be told apart from another)
         where = (r.input_ids == self.cfg.image_token_id).nonzero()
         p = int(where[-1]) + 1 if len(where) else 0  # system prompt + user header + image
@@ -228,11 +230,15 @@ class Engine:
 
     def needs_vit(self, r: Request) -> bool:
         """Whether admitting r runs its tiles through the ViT (not when either cache has what it needs)."""
-        if r.pixel_values is None:
+        if not r.image_units():
             return False
         if self.settings.image_cache and all(k in self.image_cache for k, _, _ in r.image_units()):
             return False
         return self.cached_tokens(r) == 0
+
+    def cached_images(self) -> frozenset[str]:
+        """Keys of the images whose features the image cache holds: rows with only these need not send tiles."""
+        return frozenset(self.image_cache) if self.settings.image_cache else frozenset()
 
     def blocks_needed(self, r: Request) -> int:
         """Pool blocks r takes for its prompt and all its new tokens, less the prefix blocks it would share."""
@@ -265,7 +271,7 @@ class Engine:
         found: dict[str, torch.Tensor] = {}  # features of this batch's images, cached or encoded
         todo: dict[str, torch.Tensor] = {}  # key -> the tiles to encode
         for i, r in enumerate(requests):
-            if r.pixel_values is None or skip[i]:
+            if skip[i] or not r.image_units():
                 continue
             hits[i] = True
             for j, (key, start, n) in enumerate(r.image_units()):
@@ -277,6 +283,8 @@ class Engine:
                     self.image_cache.move_to_end(k)
                     found[k] = self.image_cache[k]
                     self.counters["image_cache_hits"] += 1
+                elif r.pixel_values is None:
+                    raise ValueError(f"image {key} is not in the image cache and its tiles were not sent")
                 else:
                     todo[k] = r.pixel_values[start : start + n]
                     hits[i] = False

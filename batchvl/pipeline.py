@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, replace
@@ -86,11 +86,14 @@ def _warm() -> None:
     _WORKER_PRE("warm up", None)
 
 
-def prepare_one(pre: Callable, prompt: Any, image: Any) -> tuple[Prepared | None, str | None, float, float]:
-    """(prepared, error, t_start, t_end); pixel_values (raw uint8 tiles) travel as numpy between processes."""
+def prepare_one(
+    pre: Callable, prompt: Any, image: Any, cached: Collection[str] = ()
+) -> tuple[Prepared | None, str | None, float, float]:
+    """(prepared, error, t_start, t_end); pixel_values (raw uint8 tiles) travel as numpy between processes.
+    cached: image keys the engine holds features for (their rows' tiles are not sent)."""
     t0 = time.perf_counter()
     try:
-        out, err = pre(prompt, image), None
+        out, err = pre(prompt, image, cached), None
     except PreprocessError as e:
         out, err = None, str(e)
     except Exception as e:  # a bug or an unexpected decoder failure: still only this row fails
@@ -98,8 +101,10 @@ def prepare_one(pre: Callable, prompt: Any, image: Any) -> tuple[Prepared | None
     return out, err, t0, time.perf_counter()
 
 
-def _prepare_in_worker(prompt: Any, image: Any) -> tuple[Prepared | None, str | None, float, float]:
-    out, err, t0, t1 = prepare_one(_WORKER_PRE, prompt, image)
+def _prepare_in_worker(
+    prompt: Any, image: Any, cached: Collection[str] = ()
+) -> tuple[Prepared | None, str | None, float, float]:
+    out, err, t0, t1 = prepare_one(_WORKER_PRE, prompt, image, cached)
     if out is not None and isinstance(out.pixel_values, torch.Tensor):
         out.pixel_values = out.pixel_values.numpy()
     return out, err, t0, t1
@@ -165,12 +170,14 @@ class Preparer:
     def __len__(self) -> int:
         return len(self.queue)
 
-    def submit(self, item: Item) -> None:
+    def submit(self, item: Item, cached: Collection[str] = ()) -> None:
+        """Prepare `item`'s row; `cached`: image keys whose tiles need not come back (the engine holds their
+        features)."""
         if self.pool is None:
-            self._finish(item, prepare_one(self.pre, item.row.prompt, item.row.image))
+            self._finish(item, prepare_one(self.pre, item.row.prompt, item.row.image, cached))
             self.queue.append((item, None))
         else:
-            fut = self.pool.submit(_prepare_in_worker, item.row.prompt, item.row.image)
+            fut = self.pool.submit(_prepare_in_worker, item.row.prompt, item.row.image, cached)
             self.queue.append((item, self.pinner.submit(_pinned, fut) if self.pinner else fut))
 
     def put_done(self, item: Item) -> None:
@@ -369,7 +376,7 @@ class Flow:
     engine: (
         Any  # `engine.Engine`: admit, step, abort, and what admission asks (free_rows, blocks_needed, ...)
     )
-    preprocessor: Callable  # (prompt, image) -> Prepared, picklable when workers > 0
+    preprocessor: Callable  # (prompt, image, cached image keys) -> Prepared, picklable when workers > 0
     decode: Callable[[list[int]], str]
     sampling: Sampling  # the job's; a row's own columns override max_new_tokens, temperature and stop
 
@@ -451,6 +458,7 @@ class RowLoop:
                     continue
                 if not self.ready and not eng.active:
                     break  # every row is done
+                self._resend_tiles(prep)
                 batch = (
                     next_batch(self.ready, eng, f.max_prefill_tokens, f.max_vit_tiles) if self.ready else []
                 )
@@ -498,6 +506,7 @@ class RowLoop:
         """Feed the preparer, and move prepared rows to `ready` (up to `prefetch` of them) without waiting, or, with
         `wait` (the engine is idle), waiting for one (in lockstep: for all of them). Error rows are set aside until
         the rows before them are written."""
+        cached = self.flow.engine.cached_images()
         while len(self.ready) < self.flow.prefetch and len(self.deferred) < self.flow.prefetch:
             while prep.has_room():
                 row = next(source, None)
@@ -506,7 +515,7 @@ class RowLoop:
                 if row.error:  # e.g. duplicate id: keeps its place in line behind the first occurrence
                     prep.put_done(Item(row, time.perf_counter(), error=row.error))
                 else:
-                    prep.submit(Item(row, time.perf_counter()))
+                    prep.submit(Item(row, time.perf_counter()), cached)
             if not len(prep) or not (wait or prep.head_ready()):
                 return
             item = prep.pop(self.stop)
@@ -522,6 +531,15 @@ class RowLoop:
                 continue
             self.ready.append(item)
             wait = self.flow.lockstep
+
+    def _resend_tiles(self, prep: Preparer) -> None:
+        """Rows prepared without tiles (their images were in the engine's image cache) whose images have left it
+        since: prepared again, with their tiles, behind the rows in flight."""
+        eng = self.flow.engine
+        lost = [it for it in self.ready if it.request.pixel_values is None and eng.needs_vit(it.request)]
+        for it in lost:
+            self.ready.remove(it)
+            prep.submit(it)
 
     def _request(self, it: Item) -> Any:
         from batchvl.engine import Request

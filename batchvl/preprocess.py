@@ -8,6 +8,7 @@ import io
 import os
 import stat
 from collections import OrderedDict
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -335,7 +336,9 @@ class Prepared:
     """One tokenized row; num_text_tokens = len(input_ids) - num_image_tokens (template tokens included)."""
 
     input_ids: list[int]
-    pixel_values: torch.Tensor | None  # raw uint8 tiles [tiles, S, S, 3]; `pixel_input` gives the ViT's input
+    # raw uint8 tiles [tiles, S, S, 3] (`pixel_input` gives the ViT's input); None for a text-only row, or when every
+    # image's features are in the engine's image cache (`cached`): the tiles need not cross to the engine
+    pixel_values: torch.Tensor | None
     num_tiles: int
     num_image_tokens: int
     num_text_tokens: int
@@ -456,9 +459,11 @@ class Preprocessor:
         h.update(img.tobytes())
         return _tile_arrays(img, min_tiles, max_tiles, c.image_size, c.use_thumbnail), h.hexdigest()
 
-    def _images(self, image: Any) -> tuple[torch.Tensor | None, tuple[tuple[str, int], ...]]:
-        """All images' raw tiles (uint8 [tiles, S, S, 3], a fresh tensor), concatenated in order, and each image's
-        (key, tiles)."""
+    def _images(
+        self, image: Any, cached: Collection[str] = ()
+    ) -> tuple[torch.Tensor | None, tuple[tuple[str, int], ...]]:
+        """All images' raw tiles (uint8 [tiles, S, S, 3], a fresh tensor), concatenated in order, or None when every
+        image's key is in `cached`; and each image's (key, tiles)."""
         images = list(image) if isinstance(image, (list, tuple)) else [] if image is None else [image]
         if not images:
             return None, ()
@@ -477,6 +482,8 @@ class Preprocessor:
                 raise PreprocessError(f"image {i + 1} of {n}: {e}" if n > 1 else str(e)) from None
             tiles.append(px)
             keys.append((key, len(px)))
+        if all(key in cached for key, _ in keys):
+            return None, tuple(keys)
         # a copy, even of one image: the memo's tiles stay as they are whatever callers do with theirs
         return torch.from_numpy(np.concatenate(tiles)), tuple(keys)
 
@@ -494,9 +501,10 @@ class Preprocessor:
             )
         return prompt[:most]  # the cut lies far past the tokens truncation keeps
 
-    def __call__(self, prompt: str, image: Any) -> Prepared:
+    def __call__(self, prompt: str, image: Any, cached: Collection[str] = ()) -> Prepared:
         """Prepare one row (`image`: a path, bytes, a PIL image, a list of them, or None); raises PreprocessError
-        with the reason for a bad row."""
+        with the reason for a bad row. cached: image keys whose features the engine holds (no tiles are sent for a
+        row whose images all are)."""
         c = self.cfg
         if prompt is not None and not isinstance(prompt, str):
             raise PreprocessError(f"prompt is not text: {type(prompt).__name__}")
@@ -507,7 +515,7 @@ class Preprocessor:
             raise PreprocessError(f"prompt contains the reserved image token {IMG_CONTEXT}")
         if isinstance(image, str) and not image.strip():
             image = None  # an empty path column means a text-only row
-        pixel_values, images = self._images(image)
+        pixel_values, images = self._images(image, cached)
         try:
             prompt = with_placeholders(prompt, len(images)) if images else prompt
         except ValueError as e:

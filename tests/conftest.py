@@ -169,6 +169,9 @@ class FakeEngine:
     def needs_vit(self, r) -> bool:
         return r.pixel_values is not None
 
+    def cached_images(self) -> frozenset[str]:
+        return frozenset()
+
     def blocks_needed(self, r) -> int:
         return 1
 
@@ -283,14 +286,14 @@ class HangingPreprocessor(Preprocessor):
     """The prompt "hang" blocks its worker for 10 minutes (as reading a FIFO did), after touching the file named by
     $BATCHVL_TEST_HANG. Defined here so that spawned workers can unpickle it."""
 
-    def __call__(self, prompt, image):
+    def __call__(self, prompt, image, cached=()):
         if prompt == "hang":
             import os
             import time
 
             Path(os.environ["BATCHVL_TEST_HANG"]).touch()
             time.sleep(600)
-        return super().__call__(prompt, image)
+        return super().__call__(prompt, image, cached)
 
 
 def stopped_at_admission(n: int, **engine_kw):

@@ -167,7 +167,7 @@ def test_pixel_values_reach_the_engine_as_tensors(bad_rows_jsonl, tokenizer, tmp
 class DyingPreprocessor:
     """Kills its worker process on the prompt 'die' (a decoder crash); otherwise a fixed text-only row."""
 
-    def __call__(self, prompt, image):
+    def __call__(self, prompt, image, cached=()):
         import os
 
         if prompt == "die":
@@ -338,3 +338,63 @@ def test_pool_limit_hands_out_only_lower_blocks():
     pool = KVPool(1, 10, 1, 16, "cpu", torch.float32)
     pool.limit(4)
     assert pool.free == 3 and max(pool.allocate(3)) < 4
+
+
+def test_rows_whose_image_the_engine_holds_send_no_tiles(bad_rows_jsonl, tokenizer, tmp_path):
+    """With the image cache on, rows asking about an image the engine already holds are prepared without tiles (4.2
+    MB per tiger row no longer cross from the workers); a row whose image left the cache before its admission is
+    prepared again with its tiles. Every row comes out as with the image cache off."""
+    from batchvl.engine import Engine
+    from batchvl.job import EngineSpec
+    from batchvl.model.loader import random_model
+
+    model, cfg = random_model("tiny-qwen2", seed=0)
+    d = bad_rows_jsonl.parent
+    images = [str(d / "rgb.png"), str(d / "grey.png")]
+    rows = [SourceRow(i, f"r{i}", f"Question {i} about it?", images[i % 5 == 4]) for i in range(16)]
+    seen: list = []
+    prepared: list = []
+
+    class Counting(Preprocessor):
+        def __call__(self, prompt, image, cached=()):
+            prepared.append(prompt)
+            return super().__call__(prompt, image, cached)
+
+    class Spy(Engine):
+        forget = False
+
+        def admit(self, requests, logits_out=None):
+            seen.extend(requests)
+            return super().admit(requests, logits_out)
+
+        def cached_images(self):
+            keys = super().cached_images()
+            if self.forget:  # evicted once the rows are sent to be prepared without tiles, before their admission
+                self.image_cache.clear()
+            return keys
+
+    def run(engine, out):
+        seen.clear()
+        prepared.clear()
+        flow = Flow(engine, Counting(PCFG), lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                    Sampling(max_new_tokens=3, ignore_eos=True), max_prefill_tokens=1200, max_vit_tiles=4,
+                    prefetch=4)  # fmt: skip
+        writer = PartWriter(out, rank=0, rows_per_part=100)
+        RowLoop(flow, writer.add, t0=0.0).run(rows)
+        writer.close()
+        return {r["id"]: (r["output_token_ids"], r["error"]) for r in read_rows(out).to_pylist()}
+
+    def engine(image_cache: bool) -> Spy:
+        return Spy(model, cfg, EngineSpec(image_cache=image_cache), max_seq_len=4096, pool_blocks=200)
+
+    plain = run(engine(False), tmp_path / "plain")
+    assert len(plain) == 16 and all(err is None for _, err in plain.values())
+    assert all(r.pixel_values is not None for r in seen)
+    assert run(engine(True), tmp_path / "cached") == plain
+    assert len(prepared) == 16
+    tileless = [r.image_key for r in seen if r.pixel_values is None]
+    assert len(tileless) >= 8 and set(tileless) <= {r.image_key for r in seen if r.pixel_values is not None}
+    forgetful = engine(True)
+    forgetful.forget = True
+    assert run(forgetful, tmp_path / "evicted") == plain
+    assert len(seen) == 16 and len(prepared) > 16  # rows that lost their image were prepared again

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import save_image
 from PIL import Image
 
 from batchvl import preprocess as pp
@@ -591,3 +592,18 @@ def test_a_huge_prompt_is_refused_or_cut_without_tokenizing_it_whole(tok):
         else:
             assert len(pre(huge, None).input_ids) == 1000
             assert max(pre._tok.lengths) <= 1000 * pp.MAX_CHARS_PER_TOKEN + 500  # the cut question + template
+
+
+def test_no_tiles_for_a_row_whose_images_are_all_cached(tmp_path):
+    """`cached` names image keys the engine holds: a row with only those gets no tiles, and the same ids, images and
+    tile counts; a row with any other image gets all its tiles."""
+    a, b = save_image(tmp_path / "a.png"), save_image(tmp_path / "b.png", size=(300, 90))
+    pre = Preprocessor(PreprocessConfig(max_tiles=4))
+    full = pre("What is this?", str(a))
+    key = full.images[0][0]
+    light = pre("What is this?", str(a), cached={key})
+    assert light.pixel_values is None and full.pixel_values is not None
+    assert (light.input_ids, light.images, light.num_tiles, light.image_key) == (
+        full.input_ids, full.images, full.num_tiles, full.image_key)  # fmt: skip
+    both = pre("<image> and <image>?", [str(a), str(b)], cached={key})
+    assert both.pixel_values is not None and both.pixel_values.shape[0] == both.num_tiles

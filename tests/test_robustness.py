@@ -100,8 +100,8 @@ def test_an_empty_jsonl_file_is_a_job_with_no_rows(tmp_path):
 class _Missing(Preprocessor):
     """Every row whose prompt says so has a missing image."""
 
-    def __call__(self, prompt, image):
-        return super().__call__(prompt, "/no/such.png" if prompt.startswith("bad") else image)
+    def __call__(self, prompt, image, cached=()):
+        return super().__call__(prompt, "/no/such.png" if prompt.startswith("bad") else image, cached)
 
 
 def test_error_rows_reach_disk_as_they_come(tmp_path):
