@@ -4,7 +4,8 @@ Same math as `internvit.py` (the eager reference, kept beside it); what differs 
 which kernels run:
 
 - one compiled graph per layer, shared by all layers (parameters are graph inputs, so 45 layers compile once);
-- a layer's graph ends with the NEXT layer's norm, so each norm reads the residual stream right after it is written;
+- a layer's graph ends with the NEXT layer's norm, so each norm reads the residual stream right after it is written
+  (the last layer computes its own norm1 again, unused: a graph of its own would be traced at every start);
 - the residual stream x is written in place by the proj / fc2 GEMMs (`addmm_into`), with the layer scales folded
   into those weights (`fold_scales`) and the biases collected in an fp32 `shift` that each norm adds
   (`fused_norm.shifted_norm`);
@@ -89,18 +90,18 @@ def fast_mix(attn: InternViTAttention, h: Tensor) -> Tensor:
 
 
 def fast_layer(
-    layer: InternViTLayer, x: Tensor, h: Tensor, next_norm: nn.Module | None
+    layer: InternViTLayer, x: Tensor, h: Tensor, next_norm: nn.Module
 ) -> tuple[Tensor, Tensor]:
-    """`layer(x)` given h = layer.norm1(x); also returns next_norm(x_out) (x_out itself after the last layer)."""
+    """`layer(x)` given h = layer.norm1(x); also returns next_norm(x_out)."""
     B, T, C = x.shape
     x = x + layer.ls1 * layer.attn.proj(fast_mix(layer.attn, h)).view(B, T, C)
     h2 = layer.norm2(x)
     x = x + layer.ls2 * layer.mlp.fc2(mlp_hidden(layer.mlp, h2)).view(B, T, C)
-    return x, (next_norm(x) if next_norm is not None else x)
+    return x, next_norm(x)
 
 
 def fast_layer_inplace(
-    layer: InternViTLayer, x: Tensor, h: Tensor, shift: Tensor, next_norm: nn.Module | None
+    layer: InternViTLayer, x: Tensor, h: Tensor, shift: Tensor, next_norm: nn.Module
 ) -> tuple[Tensor, Tensor]:
     """`fast_layer` on a residual stream held as x [B*T, C] plus an fp32 column vector `shift` [C] (the biases so
     far), with the layer scales folded into proj / fc2 (`fold_scales`). Each residual is `x += a @ w^T` written by
@@ -112,8 +113,6 @@ def fast_layer_inplace(
     h2 = shifted_norm(x, shift, *norm_params(layer.norm2))
     addmm_into(x, mlp_hidden(m, h2.view(B, T, C)), m.fc2.weight)
     shift = shift + m.fc2.bias.float()
-    if next_norm is None:
-        return shift, h
     return shift, shifted_norm(x, shift, *norm_params(next_norm)).view(B, T, C)
 
 
@@ -158,7 +157,7 @@ def fast_forward(
     x, h = embed(enc.vit.embeddings, layers[0].norm1, pixel_values)  # [B, 1+N, C] x2
     for i, layer in enumerate(layers):
         tiles_dynamic(x, h)
-        x, h = layer_fn(layer, x, h, layers[i + 1].norm1 if i + 1 < len(layers) else None)
+        x, h = layer_fn(layer, x, h, layers[min(i + 1, len(layers) - 1)].norm1)  # the last: unused
     tiles_dynamic(x)
     return head(enc.projector, x, enc.cfg.downsample_ratio)  # [B, num_image_token, H]
 
@@ -180,7 +179,7 @@ def fast_forward_inplace(
     shift = torch.zeros(C, device=x.device, dtype=torch.float32)
     for i, layer in enumerate(layers):
         tiles_dynamic(x, h)
-        shift, h = layer_fn(layer, x, h, shift, layers[i + 1].norm1 if i + 1 < len(layers) else None)
+        shift, h = layer_fn(layer, x, h, shift, layers[min(i + 1, len(layers) - 1)].norm1)  # the last: unused
     x = (x.float() + shift).to(x.dtype).view(B, T, C)
     tiles_dynamic(x)
     return head(enc.projector, x, enc.cfg.downsample_ratio)  # [B, num_image_token, H]
@@ -248,9 +247,8 @@ class CompiledEncoder:
             raise ValueError(f"max_tiles must be >= 1, got {max_tiles}")
         self.enc, self.max_tiles = enc, max_tiles
         self.stats = CompileStats()
-        # the layer compiles with and without the next norm, and every encoder of the process shares these code
-        # objects: a hit limit fails hard (fullgraph)
-        _raise_recompile_limit(2)
+        # every encoder of the process shares these code objects: a hit limit fails hard (fullgraph)
+        _raise_recompile_limit(1)
         lins = [m for layer in enc.vit.layers for m in (layer.attn.proj, layer.mlp.fc1, layer.mlp.fc2)]
         self.inplace = all(type(m) is nn.Linear for m in lins)
         if self.inplace:
@@ -298,12 +296,10 @@ class CompiledEncoder:
 
     def warmup(self) -> CompileStats:
         """Compile up front, with max(2, max_tiles) zero tiles (the size most calls of a long job have, as Inductor's
-        hint), through the first and last layers only: the others share the first's graph (the last has no next
-        norm), so they would add compute, not compiles."""
+        hint), through the first layer only: the others share its graph, so they would add compute, not compiles."""
         p = next(self.enc.parameters())
         S = self.enc.cfg.vision.image_size
-        layers = self.enc.vit.layers
-        ends = [layers[0], layers[-1]] if len(layers) > 1 else [layers[0]]
         if self.stats.compile_s is None:
-            self._call(torch.zeros(max(2, self.max_tiles), 3, S, S, device=p.device, dtype=p.dtype), ends)
+            px = torch.zeros(max(2, self.max_tiles), 3, S, S, device=p.device, dtype=p.dtype)
+            self._call(px, self.enc.vit.layers[:1])
         return self.stats
