@@ -379,7 +379,7 @@ class Engine:
         pos, meta = packed_meta(lengths, prefix_lens, table, backend, self.all_heads)
         # each sequence's last token alone through the last layer's attention output and MLP, and lm_head
         last = meta.cu_seqlens[1:].long() - 1
-        unbacked_batch_dims(meta, last)
+        unbacked_batch_dims(meta)
         return llm.logits(llm(h, pos, meta, self.pool, max_position=top, last=last))
 
     def _remember_prefixes(self, requests, prefixes, hit, feats, seqs) -> None:
@@ -533,10 +533,11 @@ class Engine:
 
     def _warm_prefill(self) -> None:
         """Admit dummy rows down each path a job takes: packed prefill, long rows (cuDNN per sequence) and short
-        (flash varlen) through one graph, and prefix-cache hits. Caches and counters are left as they were."""
+        (flash varlen) through one graph, a lone row (the last layer's own graph for one row), and prefix-cache
+        hits. Caches and counters are left as they were."""
         counters = dict(self.counters)
         quick = Sampling(max_new_tokens=1, ignore_eos=True)  # finished at admission: nothing stays in flight
-        for n, rows in ((PER_SEQ_MIN_MEAN + 1, 3), (25, 2)):
+        for n, rows in ((PER_SEQ_MIN_MEAN + 1, 3), (PER_SEQ_MIN_MEAN + 1, 1), (25, 2)):
             self.admit([Request(torch.ones(n + i, dtype=torch.long), sampling=quick) for i in range(rows)])
         if self.settings.prefix_cache:
             c = self.cfg
@@ -552,13 +553,15 @@ class Engine:
         self.counters = counters
 
 
-def unbacked_batch_dims(meta: AttnMeta, last: torch.Tensor) -> None:
+def unbacked_batch_dims(meta: AttnMeta) -> None:
     """Keep a prefill's row count B and block-table width W symbolic in the compiled layers, a value of 1 included:
     Dynamo would otherwise give a lone row or a one-block batch graphs of their own, traced again at every start.
-    Marks meta's [B] / [B+1] tensors, its [B, W] block table and last [B]."""
+    Marks meta's [B] / [B+1] tensors and its [B, W] block table, which only custom ops read. (Not the last layer's
+    rows `last` [B]: an unbacked row count reaching an FP8 GEMM fails to trace, so the last-tokens path keeps a
+    graph for one row.)"""
     from torch._dynamo.decorators import mark_unbacked
 
-    for t in (meta.cu_seqlens, meta.cu_seqlens_host, meta.kv_lens, meta.cu_seqlens_k, last):
+    for t in (meta.cu_seqlens, meta.cu_seqlens_host, meta.kv_lens, meta.cu_seqlens_k):
         if t is not None:
             mark_unbacked(t, 0)
     mark_unbacked(meta.block_table, [0, 1])

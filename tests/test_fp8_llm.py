@@ -452,3 +452,30 @@ def test_compiled_fp8_decoder_as_accurate_as_eager() -> None:
     # measured: compiled vs eager 5.3%, compiled vs fp32 8.0%, eager vs fp32 8.2%
     assert 0 < rel(compiled, eager) <= rel(eager, ref)  # apart by less than FP8's own error
     assert rel(compiled, ref) <= 1.05 * rel(eager, ref)
+
+
+@pytest.mark.slow
+def test_compiled_fp8_engine_prefill_traces_whole(monkeypatch) -> None:
+    """The FP8 model's compiled prefill, as the engine runs it (packed attention, the last layer for the last tokens
+    alone), traces into its graphs without falling back: a row count that Dynamo cannot reason about (unbacked)
+    must not reach `_scaled_mm`, whose shape checks would then fail to trace and break the graph. The warm-up's
+    admissions compile the layer graph and the last layer's for one row and for several; later batches of 1-4 rows
+    compile nothing."""
+    from torch._dynamo.utils import counters
+
+    from batchvl.engine import Engine, Request, Sampling
+    from batchvl.model.build import prepare_llm
+
+    monkeypatch.setattr("batchvl.engine.prefill_backend", lambda *a: "packed")
+    model, cfg = random_model("tiny-qwen2", seed=0, quantization="fp8", dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    prepare_llm(model.llm, compile=True)
+    eng = Engine(model, cfg, dtype=torch.bfloat16, max_seq_len=2048, pool_blocks=64)
+    with torch.inference_mode():
+        eng._warm_prefill()
+    graphs = int(counters["stats"]["unique_graphs"])
+    assert graphs == 3 and not counters["graph_break"]
+    quick = Sampling(max_new_tokens=1, ignore_eos=True)
+    for rows in (1, 4, 2):
+        eng.generate([Request(torch.arange(1, 40 + 7 * i), sampling=quick) for i in range(rows)])
+    assert int(counters["stats"]["unique_graphs"]) == graphs and not counters["graph_break"]

@@ -369,7 +369,9 @@ def test_rows_whose_image_the_engine_holds_send_no_tiles(bad_rows_jsonl, tokeniz
 
         def cached_images(self):
             keys = super().cached_images()
-            if self.forget:  # evicted once the rows are sent to be prepared without tiles, before their admission
+            if (
+                self.forget
+            ):  # evicted once the rows are sent to be prepared without tiles, before their admission
                 self.image_cache.clear()
             return keys
 

@@ -89,9 +89,7 @@ def fast_mix(attn: InternViTAttention, h: Tensor) -> Tensor:
     return attend(qkv, T, H, attn.head_dim**-0.5, wq, wk, eps)
 
 
-def fast_layer(
-    layer: InternViTLayer, x: Tensor, h: Tensor, next_norm: nn.Module
-) -> tuple[Tensor, Tensor]:
+def fast_layer(layer: InternViTLayer, x: Tensor, h: Tensor, next_norm: nn.Module) -> tuple[Tensor, Tensor]:
     """`layer(x)` given h = layer.norm1(x); also returns next_norm(x_out)."""
     B, T, C = x.shape
     x = x + layer.ls1 * layer.attn.proj(fast_mix(layer.attn, h)).view(B, T, C)
