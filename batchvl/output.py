@@ -554,7 +554,7 @@ def startup(run: dict) -> dict:
            "vit_compile_s": max((c.get("vit_compile_s", 0.0) for c in counts), default=0.0)}  # fmt: skip
     if steps:
         out["mean_active_rows"] = sum(c.get("decode_rows", 0) for c in counts) / steps
-    for k in ("compile_cache_hits", "compile_cache_misses"):
+    for k in ("compile_cache_hits", "compile_cache_misses", "dynamo_graphs", "graph_breaks"):
         if any(k in c for c in counts):
             out[k] = sum(c.get(k, 0) for c in counts)
     return out
@@ -623,6 +623,8 @@ _LAYOUT: dict[str | None, list[tuple[str, str]]] = {
         ("vit_compile_s", "ViT compile during the job (s):"),
         ("compile_cache_hits", "Compiled graphs from the cache (all ranks):"),
         ("compile_cache_misses", "Compiled graphs compiled anew (all ranks):"),
+        ("dynamo_graphs", "Graphs traced by Dynamo (all ranks):"),
+        ("graph_breaks", "Graph breaks (all ranks):"),
     ],
 }
 

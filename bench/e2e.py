@@ -211,6 +211,7 @@ def main() -> None:
                                   secs=m["duration_s"], load_s=m["load_s"], ttft_ms=s["mean_ttft_ms"],
                                   tflops=flops / m["duration_s"] / 1e12, peak_gib=max(peaks, default=None),
                                   startup_s=s.get("warm_up_s", 0.0) + s.get("vit_compile_s", 0.0),
+                                  graphs=(s.get("dynamo_graphs"), s.get("graph_breaks")),
                                   active=s.get("mean_active_rows")))  # fmt: skip
                 runs.append((label, r["rows"]))
 
@@ -228,24 +229,27 @@ def main() -> None:
     print(f"torch {torch.__version__}, {gpu}; runner: {'; '.join(commits)}")
     print(f"MFU: every row's full model FLOPs (work the caches skip included) / duration / {ceiling:.0f} TFLOP/s "
           "(8192^3 bf16 matmul timed in this run)" if ceiling else "MFU: n/a on CPU")  # fmt: skip
-    print(
-        "start-up s: the summary's warm-up + ViT compiles during the job; active: mean rows per decode step"
-    )
+    print("start-up s: the summary's warm-up + ViT compiles during the job; graphs: Dynamo's graphs / graph breaks; "
+          "active: mean rows per decode step")  # fmt: skip
     if hf_best:
         print(f"transformers best: {hf_best['run']}, {hf_best['req_s']:.3f} req/s, "
               f"{hf_best['out_tok_s']:.1f} output tok/s")  # fmt: skip
-    print("| run | req/s | output tok/s | duration s | load s | start-up s | mean TTFT ms | active | MFU | peak GiB "
-          "| x best transformers (output tok/s) |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| run | req/s | output tok/s | duration s | load s | start-up s | graphs | mean TTFT ms | active | MFU "
+          "| peak GiB | x best transformers (output tok/s) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
 
     def f(v, fmt):
         return "n/a" if v is None else format(v, fmt)
+
+    def graphs(g):
+        return "n/a" if not g or g[0] is None else f"{g[0]} / {g[1]}"
 
     for r in table:
         mfu = r["tflops"] / ceiling if ceiling else None
         ratio = r["out_tok_s"] / hf_best["out_tok_s"] if hf_best else None
         print(f"| {r['run']} | {r['req_s']:.3f} | {r['out_tok_s']:.1f} | {r['secs']:.1f} | {f(r['load_s'], '.1f')} | "
-              f"{f(r.get('startup_s'), '.1f')} | {f(r['ttft_ms'], '.0f')} | {f(r.get('active'), '.1f')} | "
+              f"{f(r.get('startup_s'), '.1f')} | {graphs(r.get('graphs'))} | {f(r['ttft_ms'], '.0f')} | "
+              f"{f(r.get('active'), '.1f')} | "
               f"{f(mfu, '.3f')} | {f(r['peak_gib'], '.1f')} | {f(ratio, '.2f')} |")  # fmt: skip
     if hf_best:
         best_b = int(hf_best["run"].split("=")[1])

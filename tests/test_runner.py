@@ -346,3 +346,5 @@ def test_compile_cache_dir_copied_elsewhere_serves_a_fresh_process(tmp_path) -> 
     assert (
         second["compile_cache_hits"] == first["compile_cache_misses"] and second["compile_cache_misses"] == 0
     )
+    # Dynamo traces again at every start, cache or not; nothing falls back to eager
+    assert second["dynamo_graphs"] == first["dynamo_graphs"] > 0 and first["graph_breaks"] == 0

@@ -46,13 +46,16 @@ def use_compile_cache(cache_dir: str) -> None:
 
 
 def compile_cache_counts() -> dict[str, int]:
-    """This process's compiled graphs read back from the on-disk cache (hits) and compiled anew (misses)."""
+    """This process's compiled graphs read back from the on-disk cache (hits) and compiled anew (misses); the graphs
+    Dynamo traced (each one again at every start, cache or not) and its graph breaks (code that fell back to eager)."""
     from torch._dynamo.utils import counters
 
     c = counters["inductor"]
     return {
         "compile_cache_hits": int(c["fxgraph_cache_hit"]),
         "compile_cache_misses": int(c["fxgraph_cache_miss"]),
+        "dynamo_graphs": int(counters["stats"]["unique_graphs"]),
+        "graph_breaks": int(sum(counters["graph_break"].values())),
     }
 
 
