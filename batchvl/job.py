@@ -69,7 +69,9 @@ class PreprocessSpec:
     max_image_bytes: int = 64 * 2**20  # a larger image file (or anything but a regular file) is an error row
     system_message: str | None = None
     workers: int = 2
-    prefetch: int = 32  # prepared rows in flight ahead of the engine
+    # prepared rows in flight ahead of the engine; a batch takes only rows already prepared, and with both caches a
+    # tiger row costs ~240 prefill tokens: 32 capped the 38B job's batches at ~7.7k tokens of a 32k budget
+    prefetch: int = 128
     row_timeout_s: float = 120.0  # a row a worker takes longer over is an error row; the worker is replaced
 
 
