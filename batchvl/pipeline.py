@@ -423,6 +423,8 @@ class RowLoop:
         self.outstanding: set[int] = set()  # source indexes taken from the preparer, not yet written
         self.deferred: deque[tuple[int, dict]] = deque()  # error rows waiting for the rows before them
         self.ready: deque[Item] = deque()  # prepared rows waiting for admission
+        self.evicted = False  # images may have left the engine's image cache since `ready` was last checked
+        self.prep: Preparer | None = None  # the current run's
         self.emitted: deque[dict] = deque()  # written rows not yet yielded by `rows`
 
     def run(
@@ -441,6 +443,7 @@ class RowLoop:
         f, eng = self.flow, self.flow.engine
         if prep is None:  # (not `prep or ...`: an idle Preparer has len 0)
             prep = Preparer(f.preprocessor, f.workers, f.prefetch)
+        self.prep = prep
         cap = f.sampling.max_new_tokens
         # blocks of twice the rows in flight: within ~2% of sorting the whole job in simulations (jobs of 1k-30k
         # rows, lengths 16..512, 512 rows in flight), and a job of up to 4x the rows in flight is sorted whole
@@ -458,7 +461,10 @@ class RowLoop:
                     continue
                 if not self.ready and not eng.active:
                     break  # every row is done
-                self._resend_tiles(prep)
+                if (
+                    self.evicted
+                ):  # an admission may have evicted images that rows in `ready` were prepared without
+                    self._resend_tiles()
                 batch = (
                     next_batch(self.ready, eng, f.max_prefill_tokens, f.max_vit_tiles) if self.ready else []
                 )
@@ -529,17 +535,24 @@ class RowLoop:
             except ValueError as e:
                 self._fail(item, str(e))
                 continue
+            if self._lost_image(item):
+                prep.submit(item)
+                continue
             self.ready.append(item)
             wait = self.flow.lockstep
 
-    def _resend_tiles(self, prep: Preparer) -> None:
-        """Rows prepared without tiles (their images were in the engine's image cache) whose images have left it
-        since: prepared again, with their tiles, behind the rows in flight."""
-        eng = self.flow.engine
-        lost = [it for it in self.ready if it.request.pixel_values is None and eng.needs_vit(it.request)]
-        for it in lost:
+    def _lost_image(self, it: Item) -> bool:
+        """Whether `it` was prepared without tiles (its images were in the engine's image cache) and needs them now:
+        an admission evicted an image since."""
+        r = it.request
+        return r.pixel_values is None and bool(r.images) and self.flow.engine.needs_vit(r)
+
+    def _resend_tiles(self) -> None:
+        """Rows in `ready` that lost their image: prepared again, with their tiles, behind the rows in flight."""
+        self.evicted = False
+        for it in [it for it in self.ready if self._lost_image(it)]:
             self.ready.remove(it)
-            prep.submit(it)
+            self.prep.submit(it)
 
     def _request(self, it: Item) -> Any:
         from batchvl.engine import Request
@@ -596,6 +609,7 @@ class RowLoop:
         """Prefill a batch; on an exception retry its rows one at a time, then give up on failing ones."""
         t_batch = time.perf_counter()
         wait_ms = max(0.0, t_batch - self.last_busy) * 1e3
+        self.evicted = True  # the image cache changes only at admission (a failed one included)
         finished, why = _attempt(self.flow.engine.admit, [it.request for it in batch])
         self.last_busy = time.perf_counter()
         log.debug("admitted %d rows in %.3f s (engine idle %.0f ms before; %d in flight)", len(batch),
@@ -605,7 +619,10 @@ class RowLoop:
                 return self._fail(batch[0], f"engine: {why}")
             log.warning("engine failed on a batch of %d rows (%s); retrying them one by one", len(batch), why)
             for it in batch:
-                self._admit([it])
+                if self._lost_image(it):  # the failed admission evicted its image
+                    self.prep.submit(it)
+                else:
+                    self._admit([it])
             return
         for it in batch:
             it.batch_id, it.t_batch, it.wait_ms = self.batch_id, t_batch, wait_ms

@@ -193,9 +193,9 @@ def test_runner_uses_the_preparer_started_early():
     class Counting(Preparer):
         submitted = 0
 
-        def submit(self, item):
+        def submit(self, item, cached=()):
             Counting.submitted += 1
-            super().submit(item)
+            super().submit(item, cached)
 
     pre = DyingPreprocessor()
     rows = [SourceRow(i, str(i), "q" * (i + 1)) for i in range(3)]
@@ -369,9 +369,8 @@ def test_rows_whose_image_the_engine_holds_send_no_tiles(bad_rows_jsonl, tokeniz
 
         def cached_images(self):
             keys = super().cached_images()
-            if (
-                self.forget
-            ):  # evicted once the rows are sent to be prepared without tiles, before their admission
+            # evicted once the rows are sent to be prepared without tiles, before their admission
+            if self.forget:
                 self.image_cache.clear()
             return keys
 
