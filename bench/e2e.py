@@ -4,6 +4,8 @@ matmul ceiling timed here; then transformers' generate on the same random weight
 in this process on the same machine start, and greedy-token agreement between the two.
 
     python bench/e2e.py --preset internvl2_5-38b --n 500 --runs 2   # one H200; run2 has a warm compile cache
+    python bench/e2e.py --runs 2 --variant caches:engine.image_cache=true,engine.prefix_cache=true --variant plain:
+                                                                    # two configurations, one transformers baseline
     python bench/e2e.py --preset internvl2_5-4b --new-tokens 512 --new-tokens-range 16,512 --hf-batches ""
                                                                     # each row its own max_new_tokens, no transformers
     python bench/e2e.py --smoke                                     # tiny model on CPU: checks the script
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import gc
 import hashlib
+import itertools
 import json
 import os
 import random
@@ -177,6 +180,9 @@ def main() -> None:
         "--hf-batches", default="16,32", help='transformers\' batch sizes ("": no transformers rows)'
     )
     ap.add_argument("--hf-n", type=int, default=64, help="rows for transformers (the runner's first)")
+    ap.add_argument("--variant", action="append", default=[], metavar="LABEL:KEY=VALUE,...",
+                    help="run the job (--runs times) with these --set values added, labelled; repeat: each variant "
+                         "in turn, and transformers once, on the first's rows (keep the prompts and new tokens)")  # fmt: skip
     ap.add_argument("--smoke", action="store_true", help="tiny-qwen2 on CPU, 8 rows")
     a = ap.parse_args()
     if a.smoke:
@@ -192,6 +198,7 @@ def main() -> None:
     job = str(Path(a.job).resolve())
     repos = [r.resolve() for r in a.repo or [ROOT]]
 
+    variants = [(v.partition(":")[0], [x for x in v.partition(":")[2].split(",") if x]) for v in a.variant]
     table, runs, commits = [], [], []  # runs: (label, rows)
     with tempfile.TemporaryDirectory(prefix="e2e-") as tmp:
         if a.new_tokens_range:
@@ -200,9 +207,9 @@ def main() -> None:
         for repo in repos:
             name = "batchvl" if repo == ROOT else repo.name
             commits.append(f"{name} {repo} at {git_commit(repo)}")
-            for i in range(1, a.runs + 1):
-                label = f"{name} run{i}"
-                r = run_runner(repo, job, sets, Path(tmp) / label.replace(" ", "-"))
+            for (vlabel, vsets), i in itertools.product(variants or [("", [])], range(1, a.runs + 1)):
+                label = " ".join(filter(None, [name, vlabel, f"run{i}"]))
+                r = run_runner(repo, job, sets + vsets, Path(tmp) / label.replace(" ", "-"))
                 s, m = r["summary"], r["run"]
                 peaks = [c["peak_gpu_memory_gib"] for c in m["counts"] if "peak_gpu_memory_gib" in c]
                 flops = sum(request_flops(from_preset(a.preset), x["num_tiles"], len(x["prompt_token_ids"]),

@@ -16,8 +16,12 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize(
     "script, extra",
     [
-        # e2e.py with the caches on only: its first rows take the uncached path, later ones hit the caches
-        ("e2e.py", ["--set", "engine.image_cache=true", "--set", "engine.prefix_cache=true"]),
+        # e2e.py with the caches on, then off (two variants, one transformers baseline): with the caches the first
+        # rows take the uncached path, later ones hit the caches
+        (
+            "e2e.py",
+            ["--variant", "caches:engine.image_cache=true,engine.prefix_cache=true", "--variant", "plain:"],
+        ),
         ("vit.py", ["--fp8", "--rounds", "2"]),
         ("gpu_parity.py", []),
         ("gpu_parity.py", ["--fp8"]),
@@ -36,8 +40,10 @@ def test_bench_smoke(script, extra):
     assert p.returncode == 0, p.stderr[-3000:]
     # the job ran through the runner; its rows' greedy tokens (8 rows x 4) equal transformers' on the tiny model
     if script == "e2e.py":
-        assert "| batchvl run1 |" in p.stdout and "| transformers b=2 |" in p.stdout
-        assert "greedy tokens batchvl run1 == transformers b=2: 32/32" in p.stdout
+        assert "| batchvl caches run1 |" in p.stdout and "| batchvl plain run1 |" in p.stdout
+        assert p.stdout.count("| transformers b=2 |") == 1
+        for v in ("caches", "plain"):
+            assert f"greedy tokens batchvl {v} run1 == transformers b=2: 32/32" in p.stdout
     if script == "vit.py" and "--fp8" in extra:
         assert "| ours-fp8 |" in p.stdout and "ours-fp8 vs ours-compiled (bf16) features" in p.stdout
     if script == "vit.py":
