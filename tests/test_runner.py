@@ -238,7 +238,9 @@ def test_decode_graphs_are_captured_before_any_row_is_prepared(tmp_path, monkeyp
 
     submit = pipeline.Preparer.submit
     monkeypatch.setattr(
-        pipeline.Preparer, "submit", lambda self, item: events.append("row") or submit(self, item)
+        pipeline.Preparer,
+        "submit",
+        lambda self, item, cached=(): events.append("row") or submit(self, item, cached),
     )
     run_job(_small_job(tmp_path), engine_factory=lambda *a, **k: Warming())
     assert events[0] == "warm_up" and events.count("row") == 5
