@@ -532,12 +532,12 @@ class Engine:
         return time.perf_counter() - t
 
     def _warm_prefill(self) -> None:
-        """Admit dummy rows down each path a job takes: packed prefill, long rows (cuDNN per sequence) and short
-        (flash varlen) through one graph, a lone row (the last layer's own graph for one row), and prefix-cache
-        hits. Caches and counters are left as they were."""
+        """Admit dummy rows down each path a job takes: packed prefill, a long row (cuDNN per sequence) and short
+        rows (flash varlen) through one graph, the last layer for one row (a graph of its own) and for several, and
+        prefix-cache hits; as few tokens as that takes. Caches and counters are left as they were."""
         counters = dict(self.counters)
         quick = Sampling(max_new_tokens=1, ignore_eos=True)  # finished at admission: nothing stays in flight
-        for n, rows in ((PER_SEQ_MIN_MEAN + 1, 3), (PER_SEQ_MIN_MEAN + 1, 1), (25, 2)):
+        for n, rows in ((PER_SEQ_MIN_MEAN + 1, 1), (25, 2)):
             self.admit([Request(torch.ones(n + i, dtype=torch.long), sampling=quick) for i in range(rows)])
         if self.settings.prefix_cache:
             c = self.cfg

@@ -189,8 +189,8 @@ def test_warm_up_takes_every_prefill_path_and_leaves_the_engine_as_it_was():
     eng._prefill = spy
     counters = dict(eng.counters)
     eng._warm_prefill()
-    # long rows (several, one), short rows, prefixes stored, then hit
-    assert [len(p) for p in seen] == [3, 1, 2, 3, 3]
-    assert [any(p) for p in seen] == [False] * 4 + [True]
+    # a long row, short rows, prefixes stored, then hit
+    assert [len(p) for p in seen] == [1, 2, 3, 3]
+    assert [any(p) for p in seen] == [False] * 3 + [True]
     assert eng.active == 0 and eng.pool.free == eng.pool.num_blocks - 1
     assert not eng.prefix_cache and not eng.image_cache and eng.counters == counters
