@@ -296,7 +296,9 @@ def main() -> int:
             flat = torch.cat(ids).to(dev)
             pos, meta = cache_free_meta(lens, dev, "sdpa")
             b = ref.llm(ref.llm.embed_tokens(flat), pos, meta, None)  # the fp32 reference
-            for backend in ("sdpa", "varlen", "cudnn") if dev.type == "cuda" else ("sdpa", "cudnn"):
+            for backend in (
+                ("sdpa", "varlen", "cudnn", "packed") if dev.type == "cuda" else ("sdpa", "cudnn", "packed")
+            ):
                 pos, meta = cache_free_meta(lens, dev, backend)
                 a = fast.llm(fast.llm.embed_tokens(flat), pos, meta, None)
                 rows.append((preset, f"LLM packed prefill {backend} bf16 vs fp32", rel(a, b)))
