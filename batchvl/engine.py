@@ -561,10 +561,10 @@ def unbacked_batch_dims(meta: AttnMeta) -> None:
     graph for one row.)"""
     from torch._dynamo.decorators import mark_unbacked
 
-    for t in (meta.cu_seqlens, meta.cu_seqlens_host, meta.kv_lens, meta.cu_seqlens_k):
+    for t, dim in ((meta.cu_seqlens, 0), (meta.cu_seqlens_host, 0), (meta.kv_lens, 0), (meta.cu_seqlens_k, 0),
+                   (meta.block_table, 0), (meta.block_table, 1)):  # fmt: skip
         if t is not None:
-            mark_unbacked(t, 0)
-    mark_unbacked(meta.block_table, [0, 1])
+            mark_unbacked(t, dim)
 
 
 def packed_meta(
