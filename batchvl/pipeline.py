@@ -390,6 +390,9 @@ class Flow:
     lockstep: bool = False
 
 
+FIRST_ROWS = 4  # rows taken before the first admission (a constant: tensor-parallel ranks must take alike)
+
+
 class RowLoop:
     """Drives rows, longest max_new_tokens first (`scheduler.longest_first`), through preprocessing, admission
     (`scheduler.next_batch`), the engine's sequences in flight and the writer; counts what it did. Each row is
@@ -424,6 +427,7 @@ class RowLoop:
         self.deferred: deque[tuple[int, dict]] = deque()  # error rows waiting for the rows before them
         self.ready: deque[Item] = deque()  # prepared rows waiting for admission
         self.evicted = False  # images may have left the engine's image cache since `ready` was last checked
+        self.admitted = False  # whether any admission has been tried
         self.prep: Preparer | None = None  # the current run's
         self.emitted: deque[dict] = deque()  # written rows not yet yielded by `rows`
 
@@ -513,8 +517,10 @@ class RowLoop:
         `wait` (the engine is idle), waiting for one (in lockstep: for all of them). Error rows are set aside until
         the rows before them are written."""
         cached = self.flow.engine.cached_images()
-        while len(self.ready) < self.flow.prefetch and len(self.deferred) < self.flow.prefetch:
-            while prep.has_room():
+        # before the first admission the image cache is empty and every row taken brings its tiles: take few
+        most = self.flow.prefetch if self.admitted else min(self.flow.prefetch, FIRST_ROWS)
+        while len(self.ready) < most and len(self.deferred) < self.flow.prefetch:
+            while prep.has_room() and len(self.ready) + len(prep) < most:
                 row = next(source, None)
                 if row is None:
                     break
@@ -609,7 +615,9 @@ class RowLoop:
         """Prefill a batch; on an exception retry its rows one at a time, then give up on failing ones."""
         t_batch = time.perf_counter()
         wait_ms = max(0.0, t_batch - self.last_busy) * 1e3
-        self.evicted = True  # the image cache changes only at admission (a failed one included)
+        self.evicted = self.admitted = (
+            True  # the image cache changes only at admission (a failed one included)
+        )
         finished, why = _attempt(self.flow.engine.admit, [it.request for it in batch])
         self.last_busy = time.perf_counter()
         log.debug("admitted %d rows in %.3f s (engine idle %.0f ms before; %d in flight)", len(batch),
