@@ -513,9 +513,10 @@ class RowLoop:
         log.warning("stopped: %d rows written in this run; the rest run on resume", self.counts["rows"])
 
     def _top_up(self, source: Iterator[SourceRow], prep: Preparer, wait: bool) -> None:
-        """Feed the preparer, and move prepared rows to `ready` (up to `prefetch` of them) without waiting, or, with
-        `wait` (the engine is idle), waiting for one (in lockstep: for all of them). Error rows are set aside until
-        the rows before them are written."""
+        """Feed the preparer, and move prepared rows to `ready` (up to `prefetch` rows ready and in preparation
+        together; FIRST_ROWS before the first admission) without waiting, or, with `wait` (the engine is idle),
+        waiting for one (in lockstep: for all of them). Error rows are set aside until the rows before them are
+        written."""
         cached = self.flow.engine.cached_images()
         # before the first admission the image cache is empty and every row taken brings its tiles: take few
         most = self.flow.prefetch if self.admitted else min(self.flow.prefetch, FIRST_ROWS)
