@@ -493,6 +493,9 @@ def run_rows(model: LoadedModel, job: Job, rows: Iterable[dict] | None, manifest
     from batchvl.model.build import compile_cache_counts
 
     counts |= compile_cache_counts()  # the process's, the load's and warm-up's included: was the cache warm?
+    if counts["graph_breaks"]:
+        log.warning("torch.compile broke %d graphs: parts of the model ran eagerly (slower); TORCH_LOGS=graph_breaks "
+                    "says where", counts["graph_breaks"])  # fmt: skip
     if model.device.type == "cuda":
         counts["peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated(model.device) / 2**30
     step = getattr(engine, "decode_step", None)
