@@ -372,7 +372,7 @@ class Engine:
         flat = torch.cat(ids).to(dev, non_blocking=True)
         img = [f for f in feats if f is not None]
         h = self.model.embed(flat, torch.cat(img, 0) if img else None)
-        backend = prefill_backend(dev, self.dtype, self.cfg.llm.head_dim, any(prefix_lens))
+        backend = prefill_backend(dev, self.dtype)
         rows_t = torch.tensor(rows, device=dev)
         top = max(p + n for p, n in zip(prefix_lens, lengths, strict=True)) - 1
         table = self.tables[rows_t, : blocks_for(top + 1)]
@@ -556,13 +556,15 @@ class Engine:
 def unbacked_batch_dims(meta: AttnMeta) -> None:
     """Keep a prefill's row count B and block-table width W symbolic in the compiled layers, a value of 1 included:
     Dynamo would otherwise give a lone row or a one-block batch graphs of their own, traced again at every start.
-    Marks meta's [B] / [B+1] tensors and its [B, W] block table, which only custom ops read. (Not the last layer's
+    Marks meta's [B] / [B+1] tensors, its [B, W] block table and its prefix keys [Tk] (0 without a prefix), which
+    only custom ops read. (Not the last layer's
     rows `last` [B]: an unbacked row count reaching an FP8 GEMM fails to trace, so the last-tokens path keeps a
     graph for one row.)"""
     from torch._dynamo.decorators import mark_unbacked
 
     for t, dim in ((meta.cu_seqlens, 0), (meta.cu_seqlens_host, 0), (meta.kv_lens, 0), (meta.cu_seqlens_k, 0),
-                   (meta.block_table, 0), (meta.block_table, 1)):  # fmt: skip
+                   (meta.cu_seqlens_k_host, 0), (meta.key_rows, 0), (meta.key_pos, 0), (meta.block_table, 0),
+                   (meta.block_table, 1)):  # fmt: skip
         if t is not None:
             mark_unbacked(t, dim)
 
@@ -601,6 +603,13 @@ def packed_meta(
         cu_k[1:] = torch.tensor(total).cumsum(0)
         kseq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(total)).to(dev)
         kpos = torch.cat([torch.arange(t) for t in total]).to(dev)
-        meta.cu_seqlens_k, meta.max_seqlen_k = cu_k.to(dev), max(total)
+        meta.cu_seqlens_k, meta.cu_seqlens_k_host, meta.max_seqlen_k = cu_k.to(dev), cu_k, max(total)
         meta.key_rows, meta.key_pos = table[kseq, kpos // BLOCK].long(), kpos % BLOCK
+    elif backend == "packed":
+        # the op takes the same arguments with or without a prefix (one compiled graph): no prefix keys, and a copy
+        # of cu_seqlens made as the prefix's are (inputs that alias differently would get a graph of their own)
+        meta.cu_seqlens_k_host = cu.clone()
+        meta.cu_seqlens_k = meta.cu_seqlens_k_host.to(dev)
+        meta.max_seqlen_k = max(lengths)
+        meta.key_rows, meta.key_pos = (torch.zeros(0, dtype=torch.long, device=dev) for _ in range(2))
     return pos, meta

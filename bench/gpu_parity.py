@@ -306,7 +306,7 @@ def main() -> int:
             compiled = copy.deepcopy(fast)
             prepare_llm(compiled.llm, compile=True)
             compiled_vit = CompiledEncoder(compiled.vision)
-            backend = prefill_backend(dev, torch.bfloat16, cfg.llm.head_dim, False)
+            backend = prefill_backend(dev, torch.bfloat16)
             pos, meta = cache_free_meta(lens, dev, backend)
             a = compiled.llm(compiled.llm.embed_tokens(flat), pos, meta, None)
             rows.append((preset, f"LLM packed prefill {backend}, compiled layers bf16 vs fp32", rel(a, b)))

@@ -81,21 +81,21 @@ def test_per_sequence_and_packed_attention_equal_reference():
 
 
 def test_prefill_backend_and_packed_kernel_are_chosen_in_one_place(monkeypatch):
-    """The reference off CUDA or in fp32; on CUDA the packed op, or flash varlen after a cached prefix. Inside the
-    op, per call: on Hopper in bf16 cuDNN per sequence for long sequences with all heads; flash varlen otherwise."""
+    """The reference off CUDA or in fp32; on CUDA the packed op. Inside the op, per call: on Hopper in bf16 cuDNN
+    per sequence for long sequences with all heads and no cached prefix; flash varlen otherwise."""
     from batchvl.ops import prefill_attention as pa
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert prefill_backend(cpu, torch.bfloat16, 128, False) == "sdpa"
-    assert prefill_backend(cuda, torch.float32, 128, False) == "sdpa"
+    assert prefill_backend(cpu, torch.bfloat16) == "sdpa"
+    assert prefill_backend(cuda, torch.float32) == "sdpa"
+    assert prefill_backend(cuda, torch.bfloat16) == "packed"
     assert pa.packed_kernel(cpu, torch.bfloat16, 128, [4000], True) == "sdpa"
     monkeypatch.setattr(pa, "_VARLEN", object())
-    assert prefill_backend(cuda, torch.bfloat16, 128, False) == "packed"
-    assert prefill_backend(cuda, torch.bfloat16, 128, True) == "varlen"  # after a cached prefix
     monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
     for major, want in ((9, "cudnn"), (8, "varlen")):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d, m=major: (m, 0))
         assert pa.packed_kernel(cuda, torch.bfloat16, 128, [2000, 1500], True) == want
+    assert pa.packed_kernel(cuda, torch.bfloat16, 128, [2000, 1500], True, True) == "varlen"  # after a prefix
     assert pa.packed_kernel(cuda, torch.bfloat16, 128, [2000, 10], True) == "varlen"  # short on average
     assert pa.packed_kernel(cuda, torch.bfloat16, 128, [2000], False) == "varlen"  # tensor parallel
     monkeypatch.setattr(pa, "_VARLEN", None)
@@ -137,7 +137,9 @@ def test_prefix_in_pool_equals_full_prefill():
         table = _tables(pool, [150])
         _run(dec, [s[:128]], pool, table=table)  # two whole blocks, as the prefix cache shares them
         tail = _run(dec, [s[128:]], pool, prefix=[128], table=table)
+        packed = _run(dec, [s[128:]], pool, prefix=[128], table=table, backend="packed")
     torch.testing.assert_close(tail, full[128:], **TOL)
+    torch.testing.assert_close(packed, full[128:], **TOL)
 
 
 def test_last_layer_for_last_tokens_equals_full():

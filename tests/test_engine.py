@@ -129,9 +129,10 @@ def test_eos_stops_unless_ignored():
 @pytest.mark.slow
 def test_compiled_llm_equals_eager_and_compiles_only_at_warm_up(monkeypatch):
     """The LLM as the builder prepares it for CUDA (each decoder layer compiled, and the last layer's last-tokens
-    path), prefill through the packed attention op as on a GPU: same tokens and logits as eager, over admissions of
-    1 to 5 rows; and after the warm-up's dummy rows and one decode per row bucket, no batch compiles a graph (a lone
-    row, a one-block row or a row count equal to a model dimension once each compiled again, at every start)."""
+    path), prefill through the packed attention op as on a GPU, with the prefix cache: same tokens and logits as
+    eager, over admissions of 1 to 5 rows, some after cached prefixes; and after the warm-up's dummy rows and one
+    decode per row bucket, no batch compiles a graph (a lone row, a one-block row, a row count equal to a model
+    dimension or a cached prefix each compiled again, at every start)."""
     from torch._dynamo.utils import counters
 
     from batchvl.llm.decode_step import decode_forward
@@ -140,13 +141,14 @@ def test_compiled_llm_equals_eager_and_compiles_only_at_warm_up(monkeypatch):
     monkeypatch.setattr("batchvl.engine.prefill_backend", lambda *a: "packed")
     reqs = _requests()
     batches = [reqs[:2], reqs[2:], reqs[3:4], [Request(torch.tensor(SYSTEM[:5]), sampling=GREEDY)], reqs]
-    eager = _engine(model, cfg)
+    spec = EngineSpec(prefix_cache=True)  # later batches prefill after cached prefixes, in the same graph
+    eager = _engine(model, cfg, spec)
     want = [_tokens(eager, b) for b in batches]
     ref = eager.prefill_logits(reqs)
     fast_model = copy.deepcopy(model)
     torch._dynamo.reset()
     prepare_llm(fast_model.llm, compile=True)
-    fast = _engine(fast_model, cfg)
+    fast = _engine(fast_model, cfg, spec)
 
     class GraphedDecode:  # as on CUDA: rows padded to a bucket, full-width tables (capturing needs CUDA)
         graphs = True
@@ -166,6 +168,7 @@ def test_compiled_llm_equals_eager_and_compiles_only_at_warm_up(monkeypatch):
         graphs - start == 4
     )  # prefill layers, the last layer's last tokens (one row, several), decode layers
     assert [_tokens(fast, b) for b in batches] == want
+    assert fast.counters["prefix_cache_hits"] >= 3
     torch.testing.assert_close(fast.prefill_logits(reqs), ref, atol=1e-4, rtol=1e-4)
     assert int(counters["stats"]["unique_graphs"]) == graphs
 

@@ -1,13 +1,13 @@
 """Attention for packed (varlen) prefill: a flat token tensor plus `cu_seqlens`, no padding.
 
-Backends, picked per engine and batch by `prefill_backend` and run by `prefill_attention`:
+Backends, picked per engine by `prefill_backend` and run by `prefill_attention`:
 - "sdpa": one causal SDPA call per sequence (the reference; any device);
 - "packed": one custom op (`causal_attn_packed`) that picks its kernel per call from the host lengths
   (`packed_kernel`): cuDNN per sequence, faster than flash varlen for long sequences on Hopper once cuDNN has built
-  its plans, or flash varlen. Deciding inside the op keeps one compiled layer graph for both kernels (a Python
-  branch on the kernel would make Dynamo trace the layer once per kernel, at every start);
-- "varlen" and "cudnn": those two kernels alone (prefill after a cached prefix takes "varlen", or the reference off
-  CUDA).
+  its plans, or flash varlen, which also serves batches after a cached prefix. Deciding inside the op keeps one
+  compiled layer graph for every case (a Python branch on the kernel or on a prefix would make Dynamo trace the
+  layer once per case, at every start);
+- "varlen" and "cudnn": those two kernels alone (parity checks).
 The cuDNN path pads each sequence's call to a window of PER_SEQ_ROWS rows: a job's lengths map to a few plans.
 """
 
@@ -43,6 +43,7 @@ class AttnMeta:
     key_rows: torch.Tensor | None = None  # [Tk] int64, pool blocks
     key_pos: torch.Tensor | None = None  # [Tk] int64, slots in them
     cu_seqlens_host: torch.Tensor | None = None  # cu_seqlens on the CPU (per-sequence loops without a sync)
+    cu_seqlens_k_host: torch.Tensor | None = None  # cu_seqlens_k on the CPU
     backend: str = "sdpa"  # prefill: "sdpa" | "packed" | "varlen" | "cudnn" (`prefill_backend`)
     all_heads: bool = True  # every attention head on this GPU (False under tensor parallelism)
 
@@ -157,18 +158,36 @@ def causal_attn_per_seq(
 
 
 def packed_kernel(
-    device: torch.device, dtype: torch.dtype, head_dim: int, lengths: list[int], all_heads: bool
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dim: int,
+    lengths: list[int],
+    all_heads: bool,
+    has_prefix: bool = False,
 ) -> str:
-    """The kernel `causal_attn_packed` runs for one batch without a cached prefix: "cudnn" per sequence on Hopper
-    in bf16 / fp16 for long sequences with every head on this GPU (under tensor parallelism each call would carry a
-    fraction of the work for the same host cost); else flash "varlen" where it runs; else "sdpa" per sequence."""
+    """The kernel `causal_attn_packed` runs for one batch: "cudnn" per sequence on Hopper in bf16 / fp16 for long
+    sequences without a cached prefix and with every head on this GPU (under tensor parallelism each call would
+    carry a fraction of the work for the same host cost); else flash "varlen" where it runs; else "sdpa" per
+    sequence."""
     half = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
     if not half:
         return "sdpa"
     hopper = torch.backends.cudnn.is_available() and torch.cuda.get_device_capability(device)[0] == 9
-    if hopper and all_heads and sum(lengths) >= PER_SEQ_MIN_MEAN * len(lengths):
+    if hopper and all_heads and not has_prefix and sum(lengths) >= PER_SEQ_MIN_MEAN * len(lengths):
         return "cudnn"
     return "varlen" if _VARLEN is not None and head_dim <= 256 else "sdpa"
+
+
+def _after_prefix_per_seq(q, k, v, cu_q: list[int], cu_k: list[int]) -> torch.Tensor:
+    """q packed [T, H, D] against each sequence's keys k / v [Tk, Hkv, D] (its cached prefix, then its new tokens):
+    new token j of a sequence with p cached tokens sees keys <= p + j."""
+    outs = []
+    for i in range(len(cu_q) - 1):
+        qs, ks, vs = q[cu_q[i] : cu_q[i + 1]], k[cu_k[i] : cu_k[i + 1]], v[cu_k[i] : cu_k[i + 1]]
+        n, m = qs.shape[0], ks.shape[0]
+        mask = torch.ones(n, m, dtype=torch.bool, device=q.device).tril(diagonal=m - n)
+        outs.append(_sdpa(qs, ks, vs, causal=False, mask=mask))
+    return torch.cat(outs, 0)
 
 
 @torch.library.custom_op("batchvl::causal_attn_packed", mutates_args=())
@@ -178,22 +197,37 @@ def causal_attn_packed(
     v: torch.Tensor,
     cu_seqlens: torch.Tensor,
     cu_seqlens_host: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    key_rows: torch.Tensor,
+    key_pos: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    cu_seqlens_k_host: torch.Tensor,
     all_heads: bool,
 ) -> torch.Tensor:
     """q [T, H, D], k / v [T, Hkv, D] packed, cu_seqlens [B+1] on q's device and on the CPU -> [T, H, D]: causal
-    attention within each sequence through `packed_kernel`'s choice for these lengths."""
+    attention within each sequence through `packed_kernel`'s choice for these lengths. After a cached prefix
+    (key_rows non-empty), each sequence attends to its keys in the pool, k_cache / v_cache [blocks, Hkv, BLOCK, D]
+    at key_rows / key_pos [Tk] (its prefix, then its new tokens), packed by cu_seqlens_k [B+1]; else k / v."""
     lengths = cu_seqlens_host.diff().tolist()
-    kernel = packed_kernel(q.device, q.dtype, q.shape[2], lengths, all_heads)
+    prefix = key_rows.numel() > 0
+    kernel = packed_kernel(q.device, q.dtype, q.shape[2], lengths, all_heads, prefix)
+    cu_q = cu_seqlens.to(torch.int32)
+    if prefix:
+        k, v = k_cache[key_rows, :, key_pos], v_cache[key_rows, :, key_pos]  # [Tk, Hkv, D]
+        if kernel == "varlen":
+            max_k = int(cu_seqlens_k_host.diff().max())
+            return _varlen(q, k, v, cu_q, cu_seqlens_k.to(torch.int32), max(lengths), max_k)
+        return _after_prefix_per_seq(q, k, v, cu_seqlens_host.tolist(), cu_seqlens_k_host.tolist())
     if kernel == "varlen":
-        return _varlen(
-            q, k, v, cu_seqlens.to(torch.int32), cu_seqlens.to(torch.int32), max(lengths), max(lengths)
-        )
+        return _varlen(q, k, v, cu_q, cu_q, max(lengths), max(lengths))
     return causal_attn_per_seq(q, k, v, cu_seqlens_host, "cudnn" if kernel == "cudnn" else "auto")
 
 
 @causal_attn_packed.register_fake
-def _(q, k, v, cu_seqlens, cu_seqlens_host, all_heads):
-    return q.new_empty(q.shape)  # contiguous, as both kernels return it
+def _(q, k, v, cu_seqlens, cu_seqlens_host, k_cache, v_cache, key_rows, key_pos, cu_seqlens_k, cu_seqlens_k_host,
+      all_heads):  # fmt: skip
+    return q.new_empty(q.shape)  # contiguous, as every kernel returns it
 
 
 def prefill_per_seq(q, k, v, meta: AttnMeta, backend: str = "cudnn") -> torch.Tensor:
@@ -202,27 +236,29 @@ def prefill_per_seq(q, k, v, meta: AttnMeta, backend: str = "cudnn") -> torch.Te
     return causal_attn_per_seq(q, k, v.contiguous(), cu, backend)
 
 
-def prefill_packed(q, k, v, meta: AttnMeta) -> torch.Tensor:
-    """Packed causal prefill without a cached prefix through `causal_attn_packed`."""
-    cu = meta.cu_seqlens_host if meta.cu_seqlens_host is not None else meta.cu_seqlens.cpu()
+def prefill_packed(q, k, v, meta: AttnMeta, k_cache=None, v_cache=None) -> torch.Tensor:
+    """Packed causal prefill through `causal_attn_packed`; `meta` from `packed_meta(..., "packed")`, which always
+    carries the prefix's key tensors (empty without one), so that both cases share a compiled graph."""
+    if k_cache is None:  # (a prefill that writes no pool: parity checks)
+        k_cache, v_cache = k, v
     # v is a view of the qkv output: made contiguous here, a compiled layer writes it in its RoPE kernel's pass
-    return causal_attn_packed(q, k, v.contiguous(), meta.cu_seqlens, cu, meta.all_heads)
+    return causal_attn_packed(q, k, v.contiguous(), meta.cu_seqlens, meta.cu_seqlens_host, k_cache, v_cache,
+                              meta.key_rows, meta.key_pos, meta.cu_seqlens_k, meta.cu_seqlens_k_host,
+                              meta.all_heads)  # fmt: skip
 
 
-def prefill_backend(q_device: torch.device, dtype: torch.dtype, head_dim: int, has_prefix: bool) -> str:
-    """The prefill attention for one packed batch: on CUDA in bf16 / fp16 "packed" (the kernel chosen per call), or
-    "varlen" after a cached prefix, where flash varlen runs; else the "sdpa" reference."""
+def prefill_backend(q_device: torch.device, dtype: torch.dtype) -> str:
+    """The prefill attention: on CUDA in bf16 / fp16 "packed" (the kernel chosen per call, a cached prefix or not);
+    else the "sdpa" reference."""
     if not (q_device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)):
         return "sdpa"
-    if has_prefix:
-        return "varlen" if _VARLEN is not None and head_dim <= 256 else "sdpa"
     return "packed"
 
 
 def prefill_attention(q, k, v, meta: AttnMeta, k_cache=None, v_cache=None) -> torch.Tensor:
     """q [T, H, D], k / v [T, Hkv, D] packed -> [T, H, D] through `meta.backend`."""
     if meta.backend == "packed":
-        return prefill_packed(q, k, v, meta)
+        return prefill_packed(q, k, v, meta, k_cache, v_cache)
     if meta.backend == "cudnn":
         return prefill_per_seq(q, k, v, meta)
     if meta.backend == "varlen":
