@@ -230,9 +230,10 @@ class Engine:
 
     def needs_vit(self, r: Request) -> bool:
         """Whether admitting r runs its tiles through the ViT (not when either cache has what it needs)."""
-        if not r.image_units():
+        units = r.image_units()
+        if not units:
             return False
-        if self.settings.image_cache and all(k in self.image_cache for k, _, _ in r.image_units()):
+        if self.settings.image_cache and all(k in self.image_cache for k, _, _ in units):
             return False
         return self.cached_tokens(r) == 0
 
@@ -271,10 +272,11 @@ class Engine:
         found: dict[str, torch.Tensor] = {}  # features of this batch's images, cached or encoded
         todo: dict[str, torch.Tensor] = {}  # key -> the tiles to encode
         for i, r in enumerate(requests):
-            if skip[i] or not r.image_units():
+            units = [] if skip[i] else r.image_units()
+            if not units:
                 continue
             hits[i] = True
-            for j, (key, start, n) in enumerate(r.image_units()):
+            for j, (key, start, n) in enumerate(units):
                 k = key if (use_cache and key) else f"#{i}.{j}"
                 keys[i].append(k)
                 if k in found or k in todo:  # the same image earlier in this batch: encoded once
@@ -557,9 +559,8 @@ def unbacked_batch_dims(meta: AttnMeta) -> None:
     """Keep a prefill's row count B and block-table width W symbolic in the compiled layers, a value of 1 included:
     Dynamo would otherwise give a lone row or a one-block batch graphs of their own, traced again at every start.
     Marks meta's [B] / [B+1] tensors, its [B, W] block table and its prefix keys [Tk] (0 without a prefix), which
-    only custom ops read. (Not the last layer's
-    rows `last` [B]: an unbacked row count reaching an FP8 GEMM fails to trace, so the last-tokens path keeps a
-    graph for one row.)"""
+    only custom ops read. (Not the last layer's rows `last` [B]: an unbacked row count reaching an FP8 GEMM fails to
+    trace, so the last-tokens path keeps a graph for one row.)"""
     from torch._dynamo.decorators import mark_unbacked
 
     for t, dim in ((meta.cu_seqlens, 0), (meta.cu_seqlens_host, 0), (meta.kv_lens, 0), (meta.cu_seqlens_k, 0),

@@ -215,8 +215,8 @@ _ENTRIES_NEEDED = (
 
 
 def _raise_recompile_limit(entries: int) -> None:
-    """Every encoder of the process (and the layer with and without the next norm) recompiles the same code
-    objects: keep Dynamo's per-code limit above their sum."""
+    """Every encoder of the process recompiles the same code objects: keep Dynamo's per-code limit above their
+    sum."""
     global _ENTRIES_NEEDED
     _ENTRIES_NEEDED += entries
     cfg = torch._dynamo.config
