@@ -381,7 +381,6 @@ class Engine:
         pos, meta = packed_meta(lengths, prefix_lens, table, backend, self.all_heads)
         # each sequence's last token alone through the last layer's attention output and MLP, and lm_head
         last = meta.cu_seqlens[1:].long() - 1
-        unbacked_batch_dims(meta)
         return llm.logits(llm(h, pos, meta, self.pool, max_position=top, last=last))
 
     def _remember_prefixes(self, requests, prefixes, hit, feats, seqs) -> None:
@@ -553,21 +552,6 @@ class Engine:
                 self.admit(batch)
             self.drop_caches()
         self.counters = counters
-
-
-def unbacked_batch_dims(meta: AttnMeta) -> None:
-    """Keep a prefill's row count B and block-table width W symbolic in the compiled layers, a value of 1 included:
-    Dynamo would otherwise give a lone row or a one-block batch graphs of their own, traced again at every start.
-    Marks meta's [B] / [B+1] tensors, its [B, W] block table and its prefix keys [Tk] (0 without a prefix), which
-    only custom ops read. (Not the last layer's rows `last` [B]: an unbacked row count reaching an FP8 GEMM fails to
-    trace, so the last-tokens path keeps a graph for one row.)"""
-    from torch._dynamo.decorators import mark_unbacked
-
-    for t, dim in ((meta.cu_seqlens, 0), (meta.cu_seqlens_host, 0), (meta.kv_lens, 0), (meta.cu_seqlens_k, 0),
-                   (meta.cu_seqlens_k_host, 0), (meta.key_rows, 0), (meta.key_pos, 0), (meta.block_table, 0),
-                   (meta.block_table, 1)):  # fmt: skip
-        if t is not None:
-            mark_unbacked(t, dim)
 
 
 def packed_meta(

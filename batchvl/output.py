@@ -545,6 +545,16 @@ def summarize(table: pa.Table, duration_s: float | None = None) -> dict:
     return s
 
 
+# how each start came by its compiled graphs (`build.compile_cache_counts`)
+GRAPH_COUNTS = (
+    "precompiled_loaded",
+    "compile_cache_hits",
+    "compile_cache_misses",
+    "dynamo_graphs",
+    "graph_breaks",
+)
+
+
 def startup(run: dict) -> dict:
     """A run's start-up seconds (model ready, decode graphs, the ViT's compiles during the job) and the mean number
     of sequences each decode step carried."""
@@ -554,7 +564,7 @@ def startup(run: dict) -> dict:
            "vit_compile_s": max((c.get("vit_compile_s", 0.0) for c in counts), default=0.0)}  # fmt: skip
     if steps:
         out["mean_active_rows"] = sum(c.get("decode_rows", 0) for c in counts) / steps
-    for k in ("compile_cache_hits", "compile_cache_misses", "dynamo_graphs", "graph_breaks"):
+    for k in GRAPH_COUNTS:
         if any(k in c for c in counts):
             out[k] = sum(c.get(k, 0) for c in counts)
     return out
@@ -621,6 +631,7 @@ _LAYOUT: dict[str | None, list[tuple[str, str]]] = {
         ("load_s", "Model load (s, last run):"),
         ("warm_up_s", "Warm-up (s, last run):"),
         ("vit_compile_s", "ViT compile during the job (s):"),
+        ("precompiled_loaded", "Graphs loaded precompiled (all ranks):"),
         ("compile_cache_hits", "Compiled graphs from the cache (all ranks):"),
         ("compile_cache_misses", "Compiled graphs compiled anew (all ranks):"),
         ("dynamo_graphs", "Graphs traced by Dynamo (all ranks):"),

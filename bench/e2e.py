@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import hashlib
 import itertools
 import json
 import os
@@ -36,6 +35,7 @@ from common import hf_sharing_weights, matmul_ceiling, request_flops, same_token
 from batchvl.job import load_job  # noqa: E402
 from batchvl.model.loader import random_model  # noqa: E402
 from batchvl.output import read_rows  # noqa: E402
+from batchvl.precompile import source_digest  # noqa: E402
 from batchvl.preprocess import Preprocessor, pixel_input  # noqa: E402
 from batchvl.runner import preprocess_config, resolve_dtype  # noqa: E402
 
@@ -67,15 +67,6 @@ def with_row_lengths(sets: list[str], lo: int, hi: int, tmp: Path) -> list[str]:
     path = tmp / "sharegpt_row_lengths.json"
     path.write_text(json.dumps(rows))
     return [*sets, f"data.path={path}"]
-
-
-def source_digest(repo: Path) -> str:
-    """A hash of the library's source files (path and bytes): names the code that ran where the checkout's git
-    history is not the tree's (the device machine gets the working tree over an older history)."""
-    h = hashlib.blake2b(digest_size=6)
-    for f in sorted((repo / "batchvl").rglob("*.py")):
-        h.update(f.relative_to(repo).as_posix().encode() + b"\0" + f.read_bytes())
-    return h.hexdigest()
 
 
 def git_commit(repo: Path) -> str:
@@ -218,7 +209,7 @@ def main() -> None:
                                   secs=m["duration_s"], load_s=m["load_s"], ttft_ms=s["mean_ttft_ms"],
                                   tflops=flops / m["duration_s"] / 1e12, peak_gib=max(peaks, default=None),
                                   startup_s=s.get("warm_up_s", 0.0) + s.get("vit_compile_s", 0.0),
-                                  graphs=(s.get("dynamo_graphs"), s.get("graph_breaks")),
+                                  graphs=(s.get("precompiled_loaded"), s.get("dynamo_graphs"), s.get("graph_breaks")),
                                   active=s.get("mean_active_rows")))  # fmt: skip
                 runs.append((label, r["rows"]))
 
@@ -236,7 +227,8 @@ def main() -> None:
     print(f"torch {torch.__version__}, {gpu}; runner: {'; '.join(commits)}")
     print(f"MFU: every row's full model FLOPs (work the caches skip included) / duration / {ceiling:.0f} TFLOP/s "
           "(8192^3 bf16 matmul timed in this run)" if ceiling else "MFU: n/a on CPU")  # fmt: skip
-    print("start-up s: the summary's warm-up + ViT compiles during the job; graphs: Dynamo's graphs / graph breaks; "
+    print("start-up s: the summary's warm-up + ViT compiles during the job; graphs: loaded precompiled / traced by Dynamo / "
+          "graph breaks; "
           "active: mean rows per decode step")  # fmt: skip
     if hf_best:
         print(f"transformers best: {hf_best['run']}, {hf_best['req_s']:.3f} req/s, "
@@ -249,7 +241,7 @@ def main() -> None:
         return "n/a" if v is None else format(v, fmt)
 
     def graphs(g):
-        return "n/a" if not g or g[0] is None else f"{g[0]} / {g[1]}"
+        return "n/a" if not g or g[1] is None else " / ".join(str(x or 0) for x in g)
 
     for r in table:
         mfu = r["tflops"] / ceiling if ceiling else None

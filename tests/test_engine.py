@@ -127,15 +127,17 @@ def test_eos_stops_unless_ignored():
 
 
 @pytest.mark.slow
-def test_compiled_llm_equals_eager_and_compiles_only_at_warm_up(monkeypatch):
+def test_compiled_llm_equals_eager_and_compiles_only_at_warm_up(monkeypatch, tmp_path):
     """The LLM as the builder prepares it for CUDA (each decoder layer compiled, and the last layer's last-tokens
     path), prefill through the packed attention op as on a GPU, with the prefix cache: same tokens and logits as
     eager, over admissions of 1 to 5 rows, some after cached prefixes; and after the warm-up's dummy rows and one
     decode per row bucket, no batch compiles a graph (a lone row, a one-block row, a row count equal to a model
-    dimension or a cached prefix each compiled again, at every start)."""
+    dimension or a cached prefix each compiled again, at every start). A model prepared later on the same cache
+    folder, as at the next start, loads those 4 graphs, traces none, and gives the same tokens."""
     from torch._dynamo.utils import counters
 
     from batchvl.llm.decode_step import decode_forward
+    from batchvl.precompile import COUNTS
 
     model, cfg = _model()
     monkeypatch.setattr("batchvl.engine.prefill_backend", lambda *a: "packed")
@@ -145,24 +147,29 @@ def test_compiled_llm_equals_eager_and_compiles_only_at_warm_up(monkeypatch):
     eager = _engine(model, cfg, spec)
     want = [_tokens(eager, b) for b in batches]
     ref = eager.prefill_logits(reqs)
-    fast_model = copy.deepcopy(model)
+
+    def compiled_engine() -> Engine:
+        fast_model = copy.deepcopy(model)
+        prepare_llm(fast_model.llm, compile=True, cache_dir=str(tmp_path))
+        fast = _engine(fast_model, cfg, spec)
+
+        class GraphedDecode:  # as on CUDA: rows padded to a bucket, full-width tables (capturing needs CUDA)
+            graphs = True
+
+            def __call__(self, tok, pos, table, pool):
+                return decode_forward(fast_model.llm, tok, pos, table, pool)
+
+        fast.decode_step = GraphedDecode()
+        with torch.inference_mode():
+            fast._warm_prefill()
+            for rows in (64, 32, 8):
+                z = torch.zeros(rows, dtype=torch.long)
+                fast.decode_step(z, z.clone(), fast.tables[:rows], fast.pool)
+        return fast
+
     torch._dynamo.reset()
-    prepare_llm(fast_model.llm, compile=True)
-    fast = _engine(fast_model, cfg, spec)
-
-    class GraphedDecode:  # as on CUDA: rows padded to a bucket, full-width tables (capturing needs CUDA)
-        graphs = True
-
-        def __call__(self, tok, pos, table, pool):
-            return decode_forward(fast_model.llm, tok, pos, table, pool)
-
-    fast.decode_step = GraphedDecode()
-    start = int(counters["stats"]["unique_graphs"])  # (this process's: earlier tests' included)
-    with torch.inference_mode():
-        fast._warm_prefill()
-        for rows in (64, 32, 8):
-            z = torch.zeros(rows, dtype=torch.long)
-            fast.decode_step(z, z.clone(), fast.tables[:rows], fast.pool)
+    start, loaded = int(counters["stats"]["unique_graphs"]), COUNTS["loaded"]  # (earlier tests' included)
+    fast = compiled_engine()
     graphs = int(counters["stats"]["unique_graphs"])
     assert (
         graphs - start == 4
@@ -170,6 +177,12 @@ def test_compiled_llm_equals_eager_and_compiles_only_at_warm_up(monkeypatch):
     assert [_tokens(fast, b) for b in batches] == want
     assert fast.counters["prefix_cache_hits"] >= 3
     torch.testing.assert_close(fast.prefill_logits(reqs), ref, atol=1e-4, rtol=1e-4)
+    assert int(counters["stats"]["unique_graphs"]) == graphs and COUNTS["loaded"] == loaded
+
+    later = compiled_engine()  # the next start: its graphs come from tmp_path
+    assert COUNTS["loaded"] - loaded == 4
+    assert [_tokens(later, b) for b in batches] == want
+    torch.testing.assert_close(later.prefill_logits(reqs), ref, atol=1e-4, rtol=1e-4)
     assert int(counters["stats"]["unique_graphs"]) == graphs
 
 
@@ -180,8 +193,7 @@ def test_the_engine_leaves_its_model_unchanged():
     eng.generate(_requests())
     after = model.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
-    assert model.llm.compiled_last is None
-    assert all(getattr(layer, "_compiled_call_impl", None) is None for layer in model.llm.layers)
+    assert model.llm.compiled_layer is None and model.llm.compiled_last is None
 
 
 def test_activation_estimate_grows_with_the_budget():

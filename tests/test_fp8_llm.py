@@ -54,12 +54,12 @@ def random_decoder(cfg=WIDE, seed=0) -> Decoder:
     return d.eval()
 
 
-def packed(lens, pool=None):
+def packed(lens, pool=None, backend="sdpa"):
     table = torch.zeros(len(lens), blocks_for(max(lens)), dtype=torch.int32)
     if pool is not None:
         rows = [pool.allocate(blocks_for(n)) for n in lens]
         table = torch.tensor([r + [0] * (table.shape[1] - len(r)) for r in rows], dtype=torch.int32)
-    return packed_meta(lens, [0] * len(lens), table)
+    return packed_meta(lens, [0] * len(lens), table, backend)
 
 
 # ---- quantization ----------------------------------------------------------------------------------------------
@@ -442,14 +442,14 @@ def test_compiled_fp8_decoder_as_accurate_as_eager() -> None:
     g = torch.Generator().manual_seed(5)
     lens = [37, 5, 80]
     ids = torch.cat([torch.randint(0, 1000, (n,), generator=g) for n in lens])
-    pos, meta = packed(lens)
+    pos, meta = packed(lens, backend="packed")  # the attention a GPU's compiled layers trace whole
     torch._dynamo.reset()
     with torch.inference_mode():
         ref = full(full.embed_tokens(ids), pos, meta, None)
         eager = q(q.embed_tokens(ids), pos, meta, None)
         prepare_llm(q, compile=True)
         compiled = q(q.embed_tokens(ids), pos, meta, None)
-    # measured: compiled vs eager 5.3%, compiled vs fp32 8.0%, eager vs fp32 8.2%
+    # measured: compiled vs eager 5.5%, compiled vs fp32 8.2%, eager vs fp32 8.1%
     assert 0 < rel(compiled, eager) <= rel(eager, ref)  # apart by less than FP8's own error
     assert rel(compiled, ref) <= 1.05 * rel(eager, ref)
 

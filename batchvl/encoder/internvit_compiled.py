@@ -14,7 +14,7 @@ which kernels run:
   q / k RMSNorm as one Triton pass (`fast_mix`);
 - the tile count is a dynamic dimension of every graph (tokens per tile and widths stay static), so any count runs
   through one set of graphs; Dynamo specializes a size of 1, so a lone tile runs with a zero tile beside it rather
-  than compiling a second set (warm start-up re-traces every graph).
+  than compiling a second set.
 
 `fast_layer` is the plain compiled path, for layers whose linears are not `nn.Linear` (FP8) and for the tests' diffs.
 """
@@ -42,6 +42,7 @@ from batchvl.ops.fused_norm import addmm_into, norm_params, shifted_norm
 from batchvl.ops.norm import RMSNorm
 from batchvl.ops.sdpa import sdpa_context
 from batchvl.ops.vit_attention import kernel_config, vit_attention, vit_attention_sdpa
+from batchvl.precompile import Precompiled
 
 SDPA_BACKEND = "cudnn"  # tried first for the ViT's SDPA calls (the others are the fallback)
 
@@ -134,10 +135,22 @@ def fast_head(projector: Projector, x: Tensor, ratio: float) -> Tensor:
 
 
 def tiles_dynamic(*ts: Tensor) -> None:
-    """Mark dim 0 (tiles, or tiles x tokens) of each tensor dynamic for the compiled pieces it is passed to, so a new
-    tile count does not recompile (callers pass 2 tiles or more: Dynamo specializes a size of 1)."""
+    """Mark dim 0 (tiles, or tiles x tokens) of each tensor dynamic, so a new tile count does not recompile (callers
+    pass 2 tiles or more: Dynamo specializes a size of 1)."""
     for t in ts:
         torch._dynamo.mark_dynamic(t, 0)
+
+
+def _mark_embed(embeddings, norm, px: Tensor) -> None:
+    tiles_dynamic(px)
+
+
+def _mark_layer(layer, x: Tensor, h: Tensor, *rest) -> None:
+    tiles_dynamic(x, h)
+
+
+def _mark_head(projector, x: Tensor, ratio: float) -> None:
+    tiles_dynamic(x)
 
 
 def fast_forward(
@@ -151,12 +164,9 @@ def fast_forward(
     """The whole encoder through `fast_layer` (pass compiled pieces to run compiled); `layers`: a subset, for
     compiling without computing every layer."""
     layers = enc.vit.layers if layers is None else layers
-    tiles_dynamic(pixel_values)
     x, h = embed(enc.vit.embeddings, layers[0].norm1, pixel_values)  # [B, 1+N, C] x2
     for i, layer in enumerate(layers):
-        tiles_dynamic(x, h)
         x, h = layer_fn(layer, x, h, layers[min(i + 1, len(layers) - 1)].norm1)  # the last: unused
-    tiles_dynamic(x)
     return head(enc.projector, x, enc.cfg.downsample_ratio)  # [B, num_image_token, H]
 
 
@@ -170,16 +180,13 @@ def fast_forward_inplace(
 ) -> Tensor:
     """The whole encoder through `fast_layer_inplace`; `enc`'s layer scales must be folded (`fold_scales`)."""
     layers = enc.vit.layers if layers is None else layers
-    tiles_dynamic(pixel_values)
     x, h = embed(enc.vit.embeddings, layers[0].norm1, pixel_values)  # [B, 1+N, C] x2
     B, T, C = x.shape
     x = x.reshape(B * T, C)  # the residual stream (a fresh tensor), written in place from here on
     shift = torch.zeros(C, device=x.device, dtype=torch.float32)
     for i, layer in enumerate(layers):
-        tiles_dynamic(x, h)
         shift, h = layer_fn(layer, x, h, shift, layers[min(i + 1, len(layers) - 1)].norm1)  # the last: unused
     x = (x.float() + shift).to(x.dtype).view(B, T, C)
-    tiles_dynamic(x)
     return head(enc.projector, x, enc.cfg.downsample_ratio)  # [B, num_image_token, H]
 
 
@@ -209,27 +216,6 @@ def _graphs_compiled() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-_ENTRIES_NEEDED = (
-    0  # Dynamo cache entries that all CompiledEncoders of this process may create per code object
-)
-
-
-def _raise_recompile_limit(entries: int) -> None:
-    """Every encoder of the process recompiles the same code objects: keep Dynamo's per-code limit above their
-    sum."""
-    global _ENTRIES_NEEDED
-    _ENTRIES_NEEDED += entries
-    cfg = torch._dynamo.config
-    for name, need in (
-        ("recompile_limit", _ENTRIES_NEEDED),
-        ("accumulated_recompile_limit", 4 * _ENTRIES_NEEDED),
-    ):
-        old = name.replace("recompile_limit", "cache_size_limit")
-        attr = name if hasattr(cfg, name) else old  # renamed in torch 2.7-ish; both exist as aliases later
-        if hasattr(cfg, attr) and getattr(cfg, attr) < need:
-            setattr(cfg, attr, need)
-
-
 class CompiledEncoder:
     """Callable tiles -> tokens: the per-layer compiled fast forward of one VisionEncoder, for any tile count.
 
@@ -240,21 +226,21 @@ class CompiledEncoder:
     near-equal chunks of at most max_tiles (activation memory). `.stats` for the log.
     """
 
-    def __init__(self, enc: VisionEncoder, max_tiles: int = 128) -> None:
+    def __init__(self, enc: VisionEncoder, max_tiles: int = 128, cache_dir: str | None = None) -> None:
         if max_tiles < 1:
             raise ValueError(f"max_tiles must be >= 1, got {max_tiles}")
         self.enc, self.max_tiles = enc, max_tiles
         self.stats = CompileStats()
-        # every encoder of the process shares these code objects: a hit limit fails hard (fullgraph)
-        _raise_recompile_limit(1)
         lins = [m for layer in enc.vit.layers for m in (layer.attn.proj, layer.mlp.fc1, layer.mlp.fc2)]
         self.inplace = all(type(m) is nn.Linear for m in lins)
         if self.inplace:
             fold_scales(enc)
-        opts = dict(dynamic=False, fullgraph=True)  # static but for the dimensions marked by `tiles_dynamic`
-        self.embed = torch.compile(fast_embed, **opts)
-        self.layer = torch.compile(fast_layer_inplace if self.inplace else fast_layer, **opts)
-        self.head = torch.compile(fast_head, **opts)
+        # static but for the dimensions `tiles_dynamic` marks; graphs saved under cache_dir (`Precompiled`)
+        tag = f"{enc.cfg} {next(enc.parameters()).dtype}"
+        layer = fast_layer_inplace if self.inplace else fast_layer
+        self.embed = Precompiled(fast_embed, cache_dir, tag, mark=_mark_embed, dynamic=False)
+        self.layer = Precompiled(layer, cache_dir, tag, mark=_mark_layer, dynamic=False)
+        self.head = Precompiled(fast_head, cache_dir, tag, mark=_mark_head, dynamic=False)
 
     def _run(self, px: Tensor, layers: Sequence[InternViTLayer] | None = None) -> Tensor:
         # always inference mode and an inference tensor: Dynamo guards on both, so a warm-up under no_grad and an

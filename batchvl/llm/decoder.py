@@ -167,7 +167,9 @@ class Decoder(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg)
         self._head_padded: torch.Tensor | None = None  # lm_head rows padded in storage (`pad_vocab`)
-        # the last layer's `forward_last` as the model builder compiled it, or None: eager
+        # `DecoderLayer.forward` and `.forward_last` as the model builder compiled them (each called with the layer
+        # first: one graph serves every layer), or None: eager
+        self.compiled_layer: Callable | None = None
         self.compiled_last: Callable | None = None
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -196,11 +198,12 @@ class Decoder(nn.Module):
             raise ValueError("Decoder(last=...) is for a prefill into a KV cache")
         cos, sin = self.rotary(pos)
         full = len(self.layers) - (last is not None)
+        layer_fn = self.compiled_layer or DecoderLayer.forward
         for i, layer in enumerate(self.layers[:full]):
-            h = layer(h, cos, sin, meta, cache.layer(i) if cache is not None else None)
+            h = layer_fn(layer, h, cos, sin, meta, cache.layer(i) if cache is not None else None)
         if last is not None:
-            last_fn = self.compiled_last or self.layers[full].forward_last
-            h = last_fn(h, cos, sin, meta, cache.layer(full), last)
+            last_fn = self.compiled_last or DecoderLayer.forward_last
+            h = last_fn(self.layers[full], h, cos, sin, meta, cache.layer(full), last)
         return self.norm(h)
 
     def pad_vocab(self, multiple: int = 128) -> None:

@@ -19,11 +19,13 @@ from batchvl.config import from_preset, load_config
 from batchvl.encoder.internvit_compiled import CompiledEncoder
 from batchvl.encoder.split_overlap import DPVisionEncoder, TPVisionEncoder, choose_vit_mode
 from batchvl.job import EngineSpec, ModelSpec
-from batchvl.llm.decoder import Decoder
+from batchvl.llm.decoder import Decoder, DecoderLayer
 from batchvl.model.internvl import InternVL
 from batchvl.model.loader import load_model, random_model
 from batchvl.model.memory import MIN_PREFILL_TOKENS, check_fits, memory_plan
 from batchvl.ops.fp8 import fp8_unsupported
+from batchvl.ops.prefill_attention import unbacked_batch_dims
+from batchvl.precompile import Precompiled
 
 log = logging.getLogger(__name__)
 TP_VIT_MICRO_BATCHES = (
@@ -46,12 +48,16 @@ def use_compile_cache(cache_dir: str) -> None:
 
 
 def compile_cache_counts() -> dict[str, int]:
-    """This process's compiled graphs read back from the on-disk cache (hits) and compiled anew (misses); the graphs
-    Dynamo traced (each one again at every start, cache or not) and its graph breaks (code that fell back to eager)."""
+    """This process's compiled graphs: loaded whole from the cache directory (`Precompiled`), traced by Dynamo (at
+    each start where nothing was saved), and among those, Inductor's code read back from its on-disk cache (hits) or
+    compiled anew (misses); and graph breaks (code that fell back to eager)."""
     from torch._dynamo.utils import counters
+
+    from batchvl.precompile import COUNTS
 
     c = counters["inductor"]
     return {
+        "precompiled_loaded": COUNTS["loaded"],
         "compile_cache_hits": int(c["fxgraph_cache_hit"]),
         "compile_cache_misses": int(c["fxgraph_cache_miss"]),
         "dynamo_graphs": int(counters["stats"]["unique_graphs"]),
@@ -92,7 +98,7 @@ def build_model(
         model, _ = random_model(spec.preset, device, dtype, seed=spec.seed, quantization=q, **hooks)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the load's transient copies go back: the KV pool is sized from what is free
-    prepare_llm(model.llm, compile=not settings.eager and device.type == "cuda")
+    prepare_llm(model.llm, not settings.eager and device.type == "cuda", settings.cache_dir)
     return model, vision_encoder(model, settings, ctx)
 
 
@@ -109,9 +115,9 @@ def check_quantization(spec: ModelSpec, device: torch.device, tp: int) -> None:
         raise ValueError(f"model.quantization: fp8 cannot run here: {why}. Use quantization: none")
 
 
-def prepare_llm(llm: Decoder, compile: bool) -> None:
-    """lm_head padded for aligned logits rows on CUDA; each decoder layer compiled (one graph shared by all layers:
-    parameters are inputs), and the last layer's last-tokens path."""
+def prepare_llm(llm: Decoder, compile: bool, cache_dir: str | None = None) -> None:
+    """lm_head padded for aligned logits rows on CUDA; the decoder layer's forward compiled (one graph shared by all
+    layers: parameters are inputs), and the last layer's last-tokens path, their graphs saved under `cache_dir`."""
     if llm.embed_tokens.weight.is_cuda:
         llm.pad_vocab()
     if not compile:
@@ -119,9 +125,16 @@ def prepare_llm(llm: Decoder, compile: bool) -> None:
     # sizes that happen to be equal (a batch of 64 decode rows and the pool's 64-slot blocks) would otherwise be
     # tied by Dynamo's duck sizing and compile again when they differ
     torch.fx.experimental._config.use_duck_shape = False
-    for layer in llm.layers:
-        layer.compile(dynamic=True)
-    llm.compiled_last = torch.compile(llm.layers[-1].forward_last, dynamic=True)
+    p = llm.embed_tokens.weight
+    tag = f"{llm.cfg} {p.dtype} {type(llm.layers[0].mlp.down).__name__}"
+    opts = dict(mark=_mark_prefill, dynamic=True)
+    llm.compiled_layer = Precompiled(DecoderLayer.forward, cache_dir, tag, **opts)
+    llm.compiled_last = Precompiled(DecoderLayer.forward_last, cache_dir, tag, **opts)
+
+
+def _mark_prefill(layer, x, cos, sin, meta, *rest) -> None:
+    if not meta.is_decode:
+        unbacked_batch_dims(meta)
 
 
 def vision_encoder(model: InternVL, settings: EngineSpec, ctx: dist.DistContext | None = None) -> Callable:
@@ -149,7 +162,8 @@ def vision_encoder(model: InternVL, settings: EngineSpec, ctx: dist.DistContext 
             return TPVisionEncoder(
                 model.vision, ctx.tp_group, TP_VIT_MICRO_BATCHES, compile=not settings.eager
             )
-    encode = (
-        model.vision if settings.eager else CompiledEncoder(model.vision, max_tiles=settings.max_vit_tiles)
-    )
+    if settings.eager:
+        encode = model.vision
+    else:
+        encode = CompiledEncoder(model.vision, settings.max_vit_tiles, settings.cache_dir)
     return encode if tp <= 1 else DPVisionEncoder(model.vision, ctx.tp_group, encode=encode)

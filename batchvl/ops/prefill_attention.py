@@ -264,3 +264,18 @@ def prefill_attention(q, k, v, meta: AttnMeta, k_cache=None, v_cache=None) -> to
     if meta.backend == "varlen":
         return prefill_varlen(q, k, v, meta, k_cache, v_cache)
     return prefill_sdpa(q, k, v, meta, k_cache, v_cache)
+
+
+def unbacked_batch_dims(meta: AttnMeta) -> None:
+    """Keep a prefill's row count B and block-table width W symbolic in the compiled layers, a value of 1 included:
+    Dynamo would otherwise give a lone row or a one-block batch graphs of their own.
+    Marks meta's [B] / [B+1] tensors, its [B, W] block table and its prefix keys [Tk] (0 without a prefix), which
+    only custom ops read. (Not the last layer's rows `last` [B]: an unbacked row count reaching an FP8 GEMM fails to
+    trace, so the last-tokens path keeps a graph for one row.)"""
+    from torch._dynamo.decorators import mark_unbacked
+
+    for t, dim in ((meta.cu_seqlens, 0), (meta.cu_seqlens_host, 0), (meta.kv_lens, 0), (meta.cu_seqlens_k, 0),
+                   (meta.cu_seqlens_k_host, 0), (meta.key_rows, 0), (meta.key_pos, 0), (meta.block_table, 0),
+                   (meta.block_table, 1)):  # fmt: skip
+        if t is not None:
+            mark_unbacked(t, dim)

@@ -1,0 +1,132 @@
+"""Compiled functions saved whole, so that a later start loads them instead of tracing them again.
+
+`torch.compile` re-traces every graph with Dynamo at every process start, even when Inductor's on-disk cache holds
+the compiled code: most of a warm start-up (bench/RESULTS.md, session 19). A `Precompiled` function compiles ahead of
+time (`aot_compile`) the first time it meets inputs that none of its graphs accepts, saves the graph (code, guards and
+Inductor's output) under the cache directory, and at a later start loads it: no tracing and no guard building. Each
+graph's own guards, the ones Dynamo would check, decide which graph runs; a call no graph accepts compiles one more.
+
+The artifacts are torch's own serialized graphs (pickles), written and read only under the job's compile cache
+directory, never from job data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# this process's graphs, for the summary: loaded from the cache directory, and compiled anew
+COUNTS = {"loaded": 0, "compiled": 0}
+
+
+def source_digest(repo: Path = Path(__file__).resolve().parents[1]) -> str:
+    """A hash of the library's source files under `repo` (path and bytes): a saved graph holds the library's bytecode
+    and constants (bench/e2e.py also prints it: it names the code that ran where the checkout's history is stale)."""
+    h = hashlib.blake2b(digest_size=6)
+    for f in sorted((repo / "batchvl").rglob("*.py")):
+        h.update(f.relative_to(repo).as_posix().encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
+
+
+def _platform_key(device: torch.device) -> str:
+    """What a saved graph depends on besides its function: torch and Triton builds, the library's source, the GPU."""
+    import triton
+
+    parts = [torch.__version__, triton.__version__, source_digest(), device.type]
+    if device.type == "cuda":
+        parts += [torch.cuda.get_device_name(device), str(torch.cuda.get_device_capability(device))]
+    return hashlib.blake2b("|".join(parts).encode(), digest_size=8).hexdigest()
+
+
+class Precompiled:
+    """`torch.compile(fn, **opts)` whose graphs persist under `cache_dir` (None: in memory only).
+
+    `tag` names what else the graphs depend on (the model's config), so that other models' graphs are not loaded.
+    `mark(*args)` marks dynamic or unbacked dimensions on the inputs a graph is compiled for; calls pass their inputs
+    unmarked (a loaded graph's guards refuse marks it was not saved with). If ahead-of-time compiling fails, the
+    function falls back to `torch.compile` for the rest of the process, with a warning.
+    """
+
+    def __init__(
+        self,
+        fn: Callable,
+        cache_dir: str | None = None,
+        tag: str = "",
+        mark: Callable[..., None] | None = None,
+        **opts: Any,
+    ) -> None:
+        self.fn, self.cache_dir, self.tag, self.mark, self.opts = fn, cache_dir, tag, mark, opts
+        self.graphs: list | None = None  # loaded at the first call: on the clock of what makes it (a warm-up)
+        self.fallback: Callable | None = None
+        self.dir: Path | None = None
+
+    def __call__(self, *args: Any) -> Any:
+        if self.fallback is not None:
+            self._mark(args)
+            return self.fallback(*args)
+        if self.graphs is None:
+            self.graphs = self._load(args)
+        for g in self.graphs:
+            if g.guard_check(*args):
+                return g.fn(*args)
+        return self._compile(args)
+
+    def _mark(self, args: tuple) -> None:
+        if self.mark is not None:
+            self.mark(*args)
+
+    def _folder(self, args: tuple) -> Path | None:
+        if self.cache_dir is None:
+            return None
+        dev = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
+        name = f"{self.fn.__module__}.{self.fn.__qualname__}"
+        tag = hashlib.blake2b(f"{name}|{self.tag}|{self.opts}".encode(), digest_size=8).hexdigest()
+        return Path(self.cache_dir) / "precompiled" / _platform_key(dev) / f"{self.fn.__qualname__}-{tag}"
+
+    def _load(self, args: tuple) -> list:
+        self.dir = self._folder(args)
+        graphs: list = []
+        if self.dir is None or not self.dir.is_dir():
+            return graphs
+        for path in sorted(self.dir.glob("*.bin")):
+            try:
+                with path.open("rb") as f:
+                    graphs.append(torch.compiler.load_compiled_function(f, f_globals=self.fn.__globals__))
+            except Exception as e:  # noqa: BLE001 - a stale or torn file: compile again, and drop it
+                log.warning("dropping unloadable precompiled graph %s (%s: %s)", path, type(e).__name__, e)
+                path.unlink(missing_ok=True)
+        COUNTS["loaded"] += len(graphs)
+        return graphs
+
+    def _compile(self, args: tuple) -> Any:
+        t0 = time.perf_counter()
+        self._mark(args)
+        try:
+            with torch._dynamo.config.patch(enable_aot_compile=True):
+                g = torch.compile(self.fn, fullgraph=True, **self.opts).aot_compile((args, {}))
+        except Exception as e:  # noqa: BLE001 - slower starts, not a failed job
+            log.warning("ahead-of-time compile of %s failed (%s: %s); using torch.compile, traced at every start",
+                        self.fn.__qualname__, type(e).__name__, e)  # fmt: skip
+            self.fallback = torch.compile(self.fn, fullgraph=True, **self.opts)
+            return self.fallback(*args)
+        self.graphs.append(g)
+        COUNTS["compiled"] += 1
+        if self.dir is not None:
+            try:
+                self.dir.mkdir(parents=True, exist_ok=True)
+                g.save_compiled_function(str(self.dir / f"{time.time_ns()}-{os.getpid()}.bin"))
+            except Exception as e:  # noqa: BLE001 - the graph still serves this process
+                log.warning("could not save the precompiled graph of %s under %s (%s: %s)",
+                            self.fn.__qualname__, self.dir, type(e).__name__, e)  # fmt: skip
+        log.info("compiled %s ahead of time in %.1f s (graph %d)", self.fn.__qualname__, time.perf_counter() - t0,
+                 len(self.graphs))  # fmt: skip
+        return g(*args)

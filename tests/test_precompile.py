@@ -1,0 +1,90 @@
+"""`Precompiled`: graphs compiled ahead of time, saved, and loaded by a later start; each graph's guards pick it."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from batchvl.precompile import COUNTS, Precompiled
+
+TIGHT = dict(atol=1e-6, rtol=1e-6)  # fp32, compiled vs eager: a few ulps
+
+
+def scaled_relu(lin: nn.Linear, x: Tensor) -> Tensor:
+    return torch.relu(lin(x)) * 2
+
+
+def _rows_dynamic(lin: nn.Linear, x: Tensor) -> None:
+    torch._dynamo.mark_dynamic(x, 0)
+
+
+def _precompiled(cache: str | None) -> Precompiled:
+    return Precompiled(scaled_relu, cache, "test", mark=_rows_dynamic, dynamic=False)
+
+
+def _counts() -> tuple[int, int]:
+    return COUNTS["loaded"], COUNTS["compiled"]
+
+
+def _delta(before: tuple[int, int]) -> tuple[int, int]:
+    return COUNTS["loaded"] - before[0], COUNTS["compiled"] - before[1]
+
+
+@pytest.mark.slow
+def test_graphs_are_saved_loaded_by_a_later_start_and_picked_by_their_guards(tmp_path) -> None:
+    """One graph per input dtype (the guards refuse the other), marked rows dynamic; a second `Precompiled` on the
+    same folder, as at a later start, loads both, compiles none, and each input runs its own graph, unmarked."""
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 16)
+    lin64 = copy.deepcopy(lin).double()
+    c0 = _counts()
+    first = _precompiled(str(tmp_path))
+    for n in (5, 7, 2):  # rows are dynamic (2 or more: a backed size of 1 is specialized): one graph
+        x = torch.randn(n, 8)
+        torch.testing.assert_close(first(lin, x), scaled_relu(lin, x), **TIGHT)
+    assert _delta(c0) == (0, 1)
+    x64 = torch.randn(3, 8, dtype=torch.float64)
+    torch.testing.assert_close(first(lin64, x64), scaled_relu(lin64, x64), **TIGHT)
+    assert _delta(c0) == (0, 2) and len(list(tmp_path.rglob("*.bin"))) == 2
+
+    c1 = _counts()
+    later = _precompiled(str(tmp_path))
+    for layer, x in ((lin, torch.randn(4, 8)), (lin64, torch.randn(9, 8, dtype=torch.float64)), (lin, x64[:2].float())):
+        torch.testing.assert_close(later(layer, x), scaled_relu(layer, x), **TIGHT)
+    assert _delta(c1) == (2, 0)
+    other = Precompiled(scaled_relu, str(tmp_path), "another model", mark=_rows_dynamic, dynamic=False)
+    other(lin, torch.randn(2, 8))  # another tag: another folder, nothing loaded
+    assert _delta(c1) == (2, 1) and len(list(tmp_path.rglob("*.bin"))) == 3
+
+
+@pytest.mark.slow
+def test_an_unloadable_graph_is_dropped_and_compiled_again(tmp_path, caplog) -> None:
+    lin, x = nn.Linear(8, 16), torch.randn(3, 8)
+    _precompiled(str(tmp_path))(lin, x)
+    (saved,) = tmp_path.rglob("*.bin")
+    saved.write_bytes(b"torn")
+    c0 = _counts()
+    with caplog.at_level(logging.WARNING, logger="batchvl.precompile"):
+        out = _precompiled(str(tmp_path))(lin, x)
+    torch.testing.assert_close(out, scaled_relu(lin, x), **TIGHT)
+    assert _delta(c0) == (0, 1) and "dropping unloadable precompiled graph" in caplog.text
+    assert not saved.exists() and len(list(tmp_path.rglob("*.bin"))) == 1
+
+
+@pytest.mark.slow
+def test_falls_back_to_torch_compile_when_ahead_of_time_compiling_fails(tmp_path, monkeypatch, caplog) -> None:
+    """A torch that cannot compile ahead of time (here: Inductor's caches forced off) still runs compiled, through
+    `torch.compile` with the marks applied at every call, and saves nothing."""
+    monkeypatch.setattr(torch._inductor.config, "force_disable_caches", True)
+    lin = nn.Linear(8, 16)
+    p = _precompiled(str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="batchvl.precompile"):
+        for n in (3, 6):
+            x = torch.randn(n, 8)
+            torch.testing.assert_close(p(lin, x), scaled_relu(lin, x), **TIGHT)
+    assert p.fallback is not None and "ahead-of-time compile of scaled_relu failed" in caplog.text
+    assert not list(tmp_path.rglob("*.bin"))
