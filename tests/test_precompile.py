@@ -53,7 +53,12 @@ def test_graphs_are_saved_loaded_by_a_later_start_and_picked_by_their_guards(tmp
 
     c1 = _counts()
     later = _precompiled(str(tmp_path))
-    for layer, x in ((lin, torch.randn(4, 8)), (lin64, torch.randn(9, 8, dtype=torch.float64)), (lin, x64[:2].float())):
+    calls = [
+        (lin, torch.randn(4, 8)),
+        (lin64, torch.randn(9, 8, dtype=torch.float64)),
+        (lin, x64[:2].float()),
+    ]
+    for layer, x in calls:
         torch.testing.assert_close(later(layer, x), scaled_relu(layer, x), **TIGHT)
     assert _delta(c1) == (2, 0)
     other = Precompiled(scaled_relu, str(tmp_path), "another model", mark=_rows_dynamic, dynamic=False)
@@ -76,7 +81,7 @@ def test_an_unloadable_graph_is_dropped_and_compiled_again(tmp_path, caplog) -> 
 
 
 @pytest.mark.slow
-def test_falls_back_to_torch_compile_when_ahead_of_time_compiling_fails(tmp_path, monkeypatch, caplog) -> None:
+def test_falls_back_to_torch_compile_when_aot_compile_fails(tmp_path, monkeypatch, caplog) -> None:
     """A torch that cannot compile ahead of time (here: Inductor's caches forced off) still runs compiled, through
     `torch.compile` with the marks applied at every call, and saves nothing."""
     monkeypatch.setattr(torch._inductor.config, "force_disable_caches", True)

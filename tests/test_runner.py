@@ -342,7 +342,7 @@ def test_compile_cache_dir_copied_elsewhere_serves_a_fresh_process(tmp_path) -> 
 
     first = run(tmp_path / "a", tmp_path / "run1")
     assert first["dynamo_graphs"] == 3 and first["precompiled_loaded"] == 0  # the ViT's embed, layer, head
-    assert any((tmp_path / "a" / "inductor").rglob("*.so")), "Inductor's code not cached under engine.cache_dir"
+    assert any((tmp_path / "a" / "inductor").rglob("*.so")), "Inductor's code is not under engine.cache_dir"
     assert len(list((tmp_path / "a" / "precompiled").rglob("*.bin"))) == 3
     (tmp_path / "a").rename(tmp_path / "b")  # the copy alone: the first folder is gone
     second = run(tmp_path / "b", tmp_path / "run2")
