@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 
 # this process's graphs, for the summary: loaded from the cache directory, and compiled anew
 COUNTS = {"loaded": 0, "compiled": 0}
+FALLBACK = "use-torch-compile"  # a function's folder holds this file where it cannot be precompiled
 
 
 def source_digest(repo: Path = Path(__file__).resolve().parents[1]) -> str:
@@ -52,8 +53,10 @@ class Precompiled:
 
     `tag` names what else the graphs depend on (the model's config), so that other models' graphs are not loaded.
     `mark(*args)` marks dynamic or unbacked dimensions on the inputs a graph is compiled for; calls pass their inputs
-    unmarked (a loaded graph's guards refuse marks it was not saved with). If ahead-of-time compiling fails, the
-    function falls back to `torch.compile` for the rest of the process, with a warning.
+    unmarked (a loaded graph's guards refuse marks it was not saved with). Ahead-of-time graphs are whole; if
+    compiling one fails (a graph break, an older torch), the function falls back to `torch.compile`, breaks allowed,
+    with a warning, for the rest of the process and at later starts (a marker file in its folder; also written when
+    a graph cannot be saved).
     """
 
     def __init__(
@@ -70,11 +73,11 @@ class Precompiled:
         self.dir: Path | None = None
 
     def __call__(self, *args: Any) -> Any:
+        if self.graphs is None:
+            self.graphs = self._load(args)
         if self.fallback is not None:
             self._mark(args)
             return self.fallback(*args)
-        if self.graphs is None:
-            self.graphs = self._load(args)
         for g in self.graphs:
             if g.guard_check(*args):
                 return g.fn(*args)
@@ -95,7 +98,14 @@ class Precompiled:
     def _load(self, args: tuple) -> list:
         self.dir = self._folder(args)
         graphs: list = []
+        if torch._dynamo.config.disable or os.environ.get("TORCHDYNAMO_DISABLE") == "1":
+            self.fallback = self.fn  # eager, as torch.compile runs then
+            return graphs
         if self.dir is None or not self.dir.is_dir():
+            return graphs
+        if (self.dir / FALLBACK).exists():  # an earlier start could not compile or save a graph of it
+            log.info("%s: torch.compile, as %s says", self.fn.__qualname__, self.dir / FALLBACK)
+            self.fallback = torch.compile(self.fn, **self.opts)
             return graphs
         for path in sorted(self.dir.glob("*.bin")):
             try:
@@ -114,9 +124,8 @@ class Precompiled:
             with torch._dynamo.config.patch(enable_aot_compile=True):
                 g = torch.compile(self.fn, fullgraph=True, **self.opts).aot_compile((args, {}))
         except Exception as e:  # noqa: BLE001 - slower starts, not a failed job
-            log.warning("ahead-of-time compile of %s failed (%s: %s); using torch.compile, traced at every start",
-                        self.fn.__qualname__, type(e).__name__, e)  # fmt: skip
-            self.fallback = torch.compile(self.fn, fullgraph=True, **self.opts)
+            self._give_up("compile", e)
+            self.fallback = torch.compile(self.fn, **self.opts)
             return self.fallback(*args)
         self.graphs.append(g)
         COUNTS["compiled"] += 1
@@ -125,8 +134,19 @@ class Precompiled:
                 self.dir.mkdir(parents=True, exist_ok=True)
                 g.save_compiled_function(str(self.dir / f"{time.time_ns()}-{os.getpid()}.bin"))
             except Exception as e:  # noqa: BLE001 - the graph still serves this process
-                log.warning("could not save the precompiled graph of %s under %s (%s: %s)",
-                            self.fn.__qualname__, self.dir, type(e).__name__, e)  # fmt: skip
+                self._give_up("save", e)
         log.info("compiled %s ahead of time in %.1f s (graph %d)", self.fn.__qualname__, time.perf_counter() - t0,
                  len(self.graphs))  # fmt: skip
         return g(*args)
+
+    def _give_up(self, what: str, e: Exception) -> None:
+        """Later starts use torch.compile (a marker in the folder): it traces at every start, but then a start does
+        not trace twice (an ahead-of-time compile that fails, then torch.compile)."""
+        why = f"could not {what} {self.fn.__qualname__} ahead of time ({type(e).__name__}: {e})"
+        log.warning("%s; torch.compile instead, traced at every start (graph breaks allowed)", why)
+        if self.dir is not None:
+            try:
+                self.dir.mkdir(parents=True, exist_ok=True)
+                (self.dir / FALLBACK).write_text(why + "\n")
+            except OSError:
+                pass

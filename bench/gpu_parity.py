@@ -42,6 +42,7 @@ from batchvl.model.loader import random_model  # noqa: E402
 from batchvl.ops.decode_attention import BLOCK, decode_attention, decode_attention_reference  # noqa: E402
 from batchvl.ops.fp8 import Fp8Linear, quantize_rows, to_fp8  # noqa: E402
 from batchvl.ops.prefill_attention import prefill_backend  # noqa: E402
+from batchvl.precompile import COUNTS  # noqa: E402
 from batchvl.preprocess import Preprocessor, pixel_input  # noqa: E402
 from batchvl.runner import preprocess_config  # noqa: E402
 
@@ -310,6 +311,21 @@ def main() -> int:
             pos, meta = cache_free_meta(lens, dev, backend)
             a = compiled.llm(compiled.llm.embed_tokens(flat), pos, meta, None)
             rows.append((preset, f"LLM packed prefill {backend}, compiled layers bf16 vs fp32", rel(a, b)))
+            # graphs saved whole and loaded by another model, as at the next start (`Precompiled`): same outputs
+            with tempfile.TemporaryDirectory() as cache:
+                outs, loaded = [], COUNTS["loaded"]
+                for _ in range(2):
+                    m = copy.deepcopy(fast)
+                    prepare_llm(m.llm, compile=True, cache_dir=cache)
+                    vit = CompiledEncoder(m.vision, cache_dir=cache)
+                    outs.append(
+                        (m.llm(m.llm.embed_tokens(flat), pos, meta, None), vit(pv.to(torch.bfloat16)))
+                    )
+                    del m, vit
+                n = COUNTS["loaded"] - loaded
+            for what, k in (("LLM prefill", 0), ("ViT+projector", 1)):
+                label = f"[loaded] {what}, precompiled graphs loaded ({n} in all) vs compiled"
+                rows.append((preset, label, rel(outs[1][k], outs[0][k])))
             if dev.type == "cuda":  # (on a CPU, minutes of compiling: tests/test_fp8_llm.py holds it there)
                 # FP8 layers (model.quantization: fp8) compiled as the builder prepares them vs eager, same FP8
                 # weights: not bit-equal (fused, Inductor quantizes the norm's fp32 values, eager its bf16 ones), so
@@ -411,11 +427,16 @@ def main() -> int:
             d32 = decode_attention_reference(qd, kc, vc, kv_lens, table)
         rows.append((preset, "decode attention op (Triton kernel) bf16 vs fp32 reference", rel(d16, d32)))
     # bf16 limit: 1e-2, or for the LLM rows 1.25x transformers' own bf16 error on the same weights and inputs
-    # (random weights make the LLM's bf16 error larger than trained weights do; both are printed)
+    # (random weights make the LLM's bf16 error larger than trained weights do; both are printed); [loaded] rows: 0
+    # (the same compiled code), and on the GPU some graph loaded
     print("| model | check | value | limit |\n|---|---|---|---|")
     for m, c, v in rows:
         lim = max(1e-2, 1.25 * hf_errs.get(m, 0.0)) if ("LLM" in c or "logits" in c) else 1e-2
         held = "vs fp32" in c
+        if c.startswith("[loaded]"):
+            held, lim = True, 0.0
+            if "(0 in all)" in c and not smoke:
+                v = float("nan")  # nothing loaded: fails below
         bad = c[0] != "(" and ((held and not v <= lim) or ("fraction" in c and v < 1.0))
         ok &= not bad
         shown = "" if c[0] == "(" else f"{lim:.1e}" if held else ("1.0" if "fraction" in c else "")

@@ -198,7 +198,8 @@ class Decoder(nn.Module):
             raise ValueError("Decoder(last=...) is for a prefill into a KV cache")
         cos, sin = self.rotary(pos)
         full = len(self.layers) - (last is not None)
-        layer_fn = self.compiled_layer or DecoderLayer.forward
+        # eager: through the module's call (its hooks run: tools and tests use them)
+        layer_fn = self.compiled_layer or (lambda layer, *args: layer(*args))
         for i, layer in enumerate(self.layers[:full]):
             h = layer_fn(layer, h, cos, sin, meta, cache.layer(i) if cache is not None else None)
         if last is not None:
