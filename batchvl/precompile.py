@@ -132,7 +132,10 @@ class Precompiled:
         if self.dir is not None:
             try:
                 self.dir.mkdir(parents=True, exist_ok=True)
-                g.save_compiled_function(str(self.dir / f"{time.time_ns()}-{os.getpid()}.bin"))
+                path = self.dir / f"{time.time_ns()}-{os.getpid()}.bin"
+                # written aside, then renamed: torch 2.11 writes in place, where another rank could read half
+                g.save_compiled_function(f"{path}.tmp")
+                os.replace(f"{path}.tmp", path)
             except Exception as e:  # noqa: BLE001 - the graph still serves this process
                 self._give_up("save", e)
         log.info("compiled %s ahead of time in %.1f s (graph %d)", self.fn.__qualname__, time.perf_counter() - t0,
