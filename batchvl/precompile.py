@@ -12,6 +12,7 @@ directory, never from job data.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -38,6 +39,7 @@ def source_digest(repo: Path = Path(__file__).resolve().parents[1]) -> str:
     return h.hexdigest()
 
 
+@functools.cache
 def _platform_key(device: torch.device) -> str:
     """What a saved graph depends on besides its function: torch and Triton builds, the library's source, the GPU."""
     import triton
