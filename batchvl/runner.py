@@ -326,6 +326,7 @@ class LoadedModel:
     flow: Flow
     load_s: float
     warm_s: float
+    warm_parts: dict[str, float]  # the warm-up's seconds by part (vit, prefill, decode_graphs)
     warm_prep: Preparer | None  # workers started while the model loaded, for the first run
 
     def start_run(self) -> tuple[Preparer, float, float]:
@@ -361,12 +362,12 @@ def load_model(job: Job, ctx: dist.DistContext, engine_factory: Callable, device
         ):  # every rank of a replica runs the same batches: the same pool
             engine.pool.limit(min(dist.all_gather_object(ctx, engine.pool.num_blocks)))
         t_warm = time.perf_counter()  # before any row flows: no preprocessing thread runs during the captures
-        parts = engine.warm_up() if hasattr(engine, "warm_up") else {}
+        warm_parts = engine.warm_up() if hasattr(engine, "warm_up") else {}
         warm_s = time.perf_counter() - t_warm
     except BaseException:
         prep.close(now=True)
         raise
-    log.info("warm-up %.1f s (%s)", warm_s, ", ".join(f"{k} {v:.1f} s" for k, v in parts.items()))
+    log.info("warm-up %.1f s (%s)", warm_s, ", ".join(f"{k} {v:.1f} s" for k, v in warm_parts.items()))
     log.info("model ready in %.1f s (%s, %s, %s)", load_s, job.model.path or job.model.preset, device, dtype)
     flow = Flow(
         engine,
@@ -380,7 +381,7 @@ def load_model(job: Job, ctx: dist.DistContext, engine_factory: Callable, device
         token_id=lambda text: single_token(tokenizer, text),
         lockstep=ctx.tp > 1,
     )
-    return LoadedModel(job, ctx, device, dtype, cfg, engine, flow, load_s, warm_s, prep)
+    return LoadedModel(job, ctx, device, dtype, cfg, engine, flow, load_s, warm_s, warm_parts, prep)
 
 
 def start_manifest(job: Job, ctx: dist.DistContext, device: torch.device, dtype: torch.dtype, cfg: InternVLConfig,
@@ -490,6 +491,7 @@ def run_rows(model: LoadedModel, job: Job, rows: Iterable[dict] | None, manifest
         log.info("%s", counts["vit_compile"])
     # cache hits, decode steps and their rows: this run's
     counts = counts | {k: v - counters_before.get(k, 0) for k, v in getattr(engine, "counters", {}).items()}
+    counts["warm_up_parts_s"] = model.warm_parts if warm_s else {}  # this rank's, where this run warmed up
     from batchvl.model.build import compile_cache_counts
 
     counts |= compile_cache_counts()  # the process's, the load's and warm-up's included: was the cache warm?

@@ -209,6 +209,7 @@ def main() -> None:
                                   secs=m["duration_s"], load_s=m["load_s"], ttft_ms=s["mean_ttft_ms"],
                                   tflops=flops / m["duration_s"] / 1e12, peak_gib=max(peaks, default=None),
                                   startup_s=s.get("warm_up_s", 0.0) + s.get("vit_compile_s", 0.0),
+                                  startup_parts=m["counts"][0].get("warm_up_parts_s", {}) if m["counts"] else {},
                                   graphs=(s.get("precompiled_loaded"), s.get("dynamo_graphs"), s.get("graph_breaks")),
                                   active=s.get("mean_active_rows")))  # fmt: skip
                 runs.append((label, r["rows"]))
@@ -227,7 +228,8 @@ def main() -> None:
     print(f"torch {torch.__version__}, {gpu}; runner: {'; '.join(commits)}")
     print(f"MFU: every row's full model FLOPs (work the caches skip included) / duration / {ceiling:.0f} TFLOP/s "
           "(8192^3 bf16 matmul timed in this run)" if ceiling else "MFU: n/a on CPU")  # fmt: skip
-    print("start-up s: the summary's warm-up + ViT compiles during the job; graphs: loaded precompiled / traced by Dynamo / "
+    print("start-up s: the summary's warm-up + ViT compiles during the job (rank 0's warm-up: vit / prefill / decode "
+          "graphs); graphs: loaded precompiled / traced by Dynamo / "
           "graph breaks; "
           "active: mean rows per decode step")  # fmt: skip
     if hf_best:
@@ -240,6 +242,11 @@ def main() -> None:
     def f(v, fmt):
         return "n/a" if v is None else format(v, fmt)
 
+    def startup(r):
+        parts = r.get("startup_parts") or {}
+        split = " / ".join(f"{parts[k]:.1f}" for k in ("vit", "prefill", "decode_graphs") if k in parts)
+        return f(r.get("startup_s"), ".1f") + (f" ({split})" if split else "")
+
     def graphs(g):
         return "n/a" if not g or g[1] is None else " / ".join(str(x or 0) for x in g)
 
@@ -247,7 +254,7 @@ def main() -> None:
         mfu = r["tflops"] / ceiling if ceiling else None
         ratio = r["out_tok_s"] / hf_best["out_tok_s"] if hf_best else None
         print(f"| {r['run']} | {r['req_s']:.3f} | {r['out_tok_s']:.1f} | {r['secs']:.1f} | {f(r['load_s'], '.1f')} | "
-              f"{f(r.get('startup_s'), '.1f')} | {graphs(r.get('graphs'))} | {f(r['ttft_ms'], '.0f')} | "
+              f"{startup(r)} | {graphs(r.get('graphs'))} | {f(r['ttft_ms'], '.0f')} | "
               f"{f(r.get('active'), '.1f')} | "
               f"{f(mfu, '.3f')} | {f(r['peak_gib'], '.1f')} | {f(ratio, '.2f')} |")  # fmt: skip
     if hf_best:

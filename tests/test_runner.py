@@ -226,7 +226,8 @@ def test_rerun_resumes_and_a_different_job_is_refused(tmp_path):
 
 def test_decode_graphs_are_captured_before_any_row_is_prepared(tmp_path, monkeypatch):
     """The engine's warm-up (where CUDA graphs are captured) finishes before the first row reaches the preparer: a
-    preprocessing thread pinning a batch's tiles during a capture broke it and ended the job (issue 24)."""
+    preprocessing thread pinning a batch's tiles during a capture broke it and ended the job (issue 24). The manifest
+    keeps its seconds by part."""
     from batchvl import pipeline
 
     events: list[str] = []
@@ -234,7 +235,7 @@ def test_decode_graphs_are_captured_before_any_row_is_prepared(tmp_path, monkeyp
     class Warming(FakeEngine):
         def warm_up(self):
             events.append("warm_up")
-            return {}
+            return {"vit": 1.5, "decode_graphs": 0.5}
 
     submit = pipeline.Preparer.submit
     monkeypatch.setattr(
@@ -242,8 +243,11 @@ def test_decode_graphs_are_captured_before_any_row_is_prepared(tmp_path, monkeyp
         "submit",
         lambda self, item, cached=(): events.append("row") or submit(self, item, cached),
     )
-    run_job(_small_job(tmp_path), engine_factory=lambda *a, **k: Warming())
+    job = _small_job(tmp_path)
+    run_job(job, engine_factory=lambda *a, **k: Warming())
     assert events[0] == "warm_up" and events.count("row") == 5
+    (run,) = read_manifest(job.output.dir)["runs"]
+    assert run["counts"][0]["warm_up_parts_s"] == {"vit": 1.5, "decode_graphs": 0.5}
 
 
 def test_cli_errors_name_the_key_and_exit_nonzero(tmp_path):
