@@ -148,7 +148,8 @@ class Precompiled:
         """Later starts use torch.compile (a marker in the folder): it traces at every start, but then a start does
         not trace twice (an ahead-of-time compile that fails, then torch.compile)."""
         why = f"could not {what} {self.fn.__qualname__} ahead of time ({type(e).__name__}: {e})"
-        log.warning("%s; torch.compile instead, traced at every start (graph breaks allowed)", why)
+        now = "torch.compile from now on" if what == "compile" else "later starts use torch.compile"
+        log.warning("%s; %s, traced at every start (graph breaks allowed)", why, now)
         if self.dir is not None:
             try:
                 self.dir.mkdir(parents=True, exist_ok=True)

@@ -102,3 +102,29 @@ def test_falls_back_to_torch_compile_when_aot_compile_fails(tmp_path, monkeypatc
     with caplog.at_level(logging.WARNING, logger="batchvl.precompile"):
         torch.testing.assert_close(later(lin, x), scaled_relu(lin, x), **TIGHT)
     assert later.fallback is not None and not caplog.text and _delta(c0) == (0, 0)
+
+
+@pytest.mark.slow
+def test_a_graph_that_cannot_be_saved_serves_this_process_and_later_starts_use_torch_compile(
+    tmp_path, monkeypatch, caplog
+) -> None:
+    from torch._dynamo.aot_compile import AOTCompiledFunction
+
+    def refuse(self, path, *a, **k):
+        raise RuntimeError("Failed to serialize")
+
+    monkeypatch.setattr(AOTCompiledFunction, "save_compiled_function", refuse)
+    lin, x = nn.Linear(8, 16), torch.randn(3, 8)
+    c0 = _counts()
+    p = _precompiled(str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="batchvl.precompile"):
+        torch.testing.assert_close(p(lin, x), scaled_relu(lin, x), **TIGHT)
+        torch.testing.assert_close(p(lin, x[:2]), scaled_relu(lin, x[:2]), **TIGHT)
+    assert (
+        "could not save scaled_relu ahead of time" in caplog.text
+        and "later starts use torch.compile" in caplog.text
+    )
+    assert p.fallback is None and _delta(c0) == (0, 1) and not list(tmp_path.rglob("*.bin*"))
+    later = _precompiled(str(tmp_path))
+    torch.testing.assert_close(later(lin, x), scaled_relu(lin, x), **TIGHT)
+    assert later.fallback is not None and _delta(c0) == (0, 1)
