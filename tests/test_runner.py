@@ -328,7 +328,8 @@ def test_cli_lists_run_and_report():
 def test_compile_cache_dir_copied_elsewhere_serves_a_fresh_process(tmp_path) -> None:
     """engine.cache_dir holds the compiled graphs, saved whole (`Precompiled`), and Inductor's cache (even when an
     import of torch filled Inductor's variable with its default first): a copy of the folder alone serves a second
-    process, as on a fresh machine, which loads every graph and traces none; the summary counts both."""
+    process, as on a fresh machine, which loads every graph, traces none and writes the same tokens; the summary
+    counts both."""
     env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
 
     def run(cache: Path, out: Path) -> dict:
@@ -352,3 +353,8 @@ def test_compile_cache_dir_copied_elsewhere_serves_a_fresh_process(tmp_path) -> 
     second = run(tmp_path / "b", tmp_path / "run2")
     assert second["precompiled_loaded"] == 3 and second["dynamo_graphs"] == 0  # nothing traced again
     assert second["compile_cache_misses"] == 0 and first["graph_breaks"] == 0
+
+    def tokens(out: Path) -> dict:
+        return {r["id"]: r["output_token_ids"] for r in read_rows(out).to_pylist()}
+
+    assert tokens(tmp_path / "run2") == tokens(tmp_path / "run1")  # the loaded graphs compute what they saved
