@@ -41,10 +41,11 @@ def source_digest(repo: Path = Path(__file__).resolve().parents[1]) -> str:
 
 @functools.cache
 def _platform_key(device: torch.device) -> str:
-    """What a saved graph depends on besides its function: torch and Triton builds, the library's source, the GPU."""
+    """What a saved graph depends on besides its function: torch and Triton builds, the library's source, the GPU
+    (its index too: guards check a tensor's device, so each rank of a job loads only its own graphs)."""
     import triton
 
-    parts = [torch.__version__, triton.__version__, source_digest(), device.type]
+    parts = [torch.__version__, triton.__version__, source_digest(), str(device)]
     if device.type == "cuda":
         parts += [torch.cuda.get_device_name(device), str(torch.cuda.get_device_capability(device))]
     return hashlib.blake2b("|".join(parts).encode(), digest_size=8).hexdigest()
