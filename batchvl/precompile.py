@@ -1,7 +1,7 @@
 """Compiled functions saved whole, so that a later start loads them instead of tracing them again.
 
 `torch.compile` re-traces every graph with Dynamo at every process start, even when Inductor's on-disk cache holds
-the compiled code: most of a warm start-up (bench/RESULTS.md, session 19). A `Precompiled` function compiles ahead of
+the compiled code: most of a warm start-up (bench/RESULTS.md). A `Precompiled` function compiles ahead of
 time (`aot_compile`) the first time it meets inputs that none of its graphs accepts, saves the graph (code, guards and
 Inductor's output) under the cache directory, and at a later start loads it: no tracing and no guard building. Each
 graph's own guards, the ones Dynamo would check, decide which graph runs; a call no graph accepts compiles one more.
