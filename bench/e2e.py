@@ -20,6 +20,7 @@ import json
 import os
 import random
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -200,7 +201,11 @@ def main() -> None:
             commits.append(f"{name} {repo} at {git_commit(repo)}")
             for (vlabel, vsets), i in itertools.product(variants or [("", [])], range(1, a.runs + 1)):
                 label = " ".join(filter(None, [name, vlabel, f"run{i}"]))
-                r = run_runner(repo, job, sets + vsets, Path(tmp) / label.replace(" ", "-"))
+                out = Path(tmp) / label.replace(" ", "-")
+                r = run_runner(repo, job, sets + vsets, out)
+                # the device's result folder ($OUT): the rows and summary come back for study
+                if os.environ.get("OUT"):
+                    shutil.copytree(out, Path(os.environ["OUT"], "runs", out.name), dirs_exist_ok=True)
                 s, m = r["summary"], r["run"]
                 peaks = [c["peak_gpu_memory_gib"] for c in m["counts"] if "peak_gpu_memory_gib" in c]
                 flops = sum(request_flops(from_preset(a.preset), x["num_tiles"], len(x["prompt_token_ids"]),
