@@ -205,7 +205,12 @@ def main() -> None:
                 r = run_runner(repo, job, sets + vsets, out)
                 # the device's result folder ($OUT): the rows and summary come back for study
                 if os.environ.get("OUT"):
-                    shutil.copytree(out, Path(os.environ["OUT"], "runs", out.name), dirs_exist_ok=True)
+                    keep = Path(
+                        os.environ["OUT"], "runs", out.name
+                    )  # rows and manifest only: few files return
+                    keep.mkdir(parents=True, exist_ok=True)
+                    for f in [out / "_manifest.json", *out.glob("*.parquet")]:
+                        shutil.copy(f, keep)
                 s, m = r["summary"], r["run"]
                 peaks = [c["peak_gpu_memory_gib"] for c in m["counts"] if "peak_gpu_memory_gib" in c]
                 flops = sum(request_flops(from_preset(a.preset), x["num_tiles"], len(x["prompt_token_ids"]),
