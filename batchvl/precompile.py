@@ -74,6 +74,7 @@ class Precompiled:
         self.graphs: list | None = None  # loaded at the first call: on the clock of what makes it (a warm-up)
         self.fallback: Callable | None = None
         self.dir: Path | None = None
+        self.loaded = 0  # graphs read from disk
 
     def __call__(self, *args: Any) -> Any:
         if self.graphs is None:
@@ -118,6 +119,7 @@ class Precompiled:
                 log.warning("dropping unloadable precompiled graph %s (%s: %s)", path, type(e).__name__, e)
                 path.unlink(missing_ok=True)
         COUNTS["loaded"] += len(graphs)
+        self.loaded = len(graphs)
         return graphs
 
     def _compile(self, args: tuple) -> Any:
@@ -141,8 +143,10 @@ class Precompiled:
                 os.replace(f"{path}.tmp", path)
             except Exception as e:  # noqa: BLE001 - the graph still serves this process
                 self._give_up("save", e)
-        log.info("compiled %s ahead of time in %.1f s (graph %d)", self.fn.__qualname__, time.perf_counter() - t0,
-                 len(self.graphs))  # fmt: skip
+        # a saved graph that refused inputs it was made for points at a guard that does not survive a restart
+        refused = f"; the {self.loaded} loaded from disk refused these inputs" if self.loaded else ""
+        log.info("compiled %s ahead of time in %.1f s (graph %d%s)", self.fn.__qualname__, time.perf_counter() - t0,
+                 len(self.graphs), refused)  # fmt: skip
         return g(*args)
 
     def _give_up(self, what: str, e: Exception) -> None:

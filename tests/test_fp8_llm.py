@@ -454,13 +454,34 @@ def test_compiled_fp8_decoder_as_accurate_as_eager() -> None:
     assert rel(compiled, ref) <= 1.05 * rel(eager, ref)
 
 
+# the FP8 model's engine warm-up, prefill compiled (packed attention), graphs saved under argv[1]; prints the counts
+FP8_WARM_UP = """
+import json, sys, torch
+import batchvl.engine as E
+from batchvl.model.build import prepare_llm
+from batchvl.model.loader import random_model
+from batchvl.precompile import COUNTS
+E.prefill_backend = lambda *a: "packed"
+model, cfg = random_model("tiny-qwen2", seed=0, quantization="fp8", dtype=torch.bfloat16)
+prepare_llm(model.llm, compile=True, cache_dir=sys.argv[1])
+eng = E.Engine(model, cfg, dtype=torch.bfloat16, max_seq_len=2048, pool_blocks=64)
+with torch.inference_mode():
+    eng._warm_prefill()
+print(json.dumps(COUNTS))
+"""
+
+
 @pytest.mark.slow
-def test_compiled_fp8_engine_prefill_traces_whole(monkeypatch) -> None:
+def test_compiled_fp8_engine_prefill_traces_whole(monkeypatch, tmp_path) -> None:
     """The FP8 model's compiled prefill, as the engine runs it (packed attention, the last layer for the last tokens
     alone), traces into its graphs without falling back: a row count that Dynamo cannot reason about (unbacked)
     must not reach `_scaled_mm`, whose shape checks would then fail to trace and break the graph. The warm-up's
     admissions compile the layer graph and the last layer's for one row and for several; later batches of 1-4 rows
-    compile nothing."""
+    compile nothing. A fresh process loads the 3 saved graphs and compiles none (in-process loads cannot show it:
+    Dynamo leaves aliases in the compiling process's module globals that a graph's guards may read)."""
+    import subprocess
+    import sys
+
     from torch._dynamo.utils import counters
 
     from batchvl.engine import Engine, Request, Sampling
@@ -469,7 +490,7 @@ def test_compiled_fp8_engine_prefill_traces_whole(monkeypatch) -> None:
     monkeypatch.setattr("batchvl.engine.prefill_backend", lambda *a: "packed")
     model, cfg = random_model("tiny-qwen2", seed=0, quantization="fp8", dtype=torch.bfloat16)
     torch._dynamo.reset()
-    prepare_llm(model.llm, compile=True)
+    prepare_llm(model.llm, compile=True, cache_dir=str(tmp_path))
     eng = Engine(model, cfg, dtype=torch.bfloat16, max_seq_len=2048, pool_blocks=64)
 
     def compiled() -> tuple[int, int]:  # (graphs, graph breaks) so far in this process
@@ -484,3 +505,7 @@ def test_compiled_fp8_engine_prefill_traces_whole(monkeypatch) -> None:
     for rows in (1, 4, 2):
         eng.generate([Request(torch.arange(1, 40 + 7 * i), sampling=quick) for i in range(rows)])
     assert compiled() == warm
+    fresh = subprocess.run([sys.executable, "-c", FP8_WARM_UP, str(tmp_path)], capture_output=True, text=True,
+                           timeout=300)  # fmt: skip
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    assert json.loads(fresh.stdout.splitlines()[-1]) == {"loaded": 3, "compiled": 0}

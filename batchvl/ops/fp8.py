@@ -22,9 +22,12 @@ FP8_MAX = torch.finfo(FP8).max  # 448
 
 def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     """[M, K] -> (e4m3 [M, K], fp32 scale [M, 1]) with x ~ q * scale; each row's amax maps to FP8_MAX."""
+    # the bound from torch, not the module's FP8_MAX: Dynamo guards a float global through an alias of this module
+    # that a graph loaded in another process lacks (`Precompiled` would compile anew at every start)
+    top = torch.finfo(torch.float8_e4m3fn).max
     xf = x.float()
-    scale = xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / FP8_MAX  # [M, 1]
-    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+    scale = xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / top  # [M, 1]
+    return (xf / scale).clamp(-top, top).to(torch.float8_e4m3fn), scale
 
 
 def dequantize(q: Tensor, scale: Tensor) -> Tensor:
