@@ -203,11 +203,9 @@ def main() -> None:
                 label = " ".join(filter(None, [name, vlabel, f"run{i}"]))
                 out = Path(tmp) / label.replace(" ", "-")
                 r = run_runner(repo, job, sets + vsets, out)
-                # the device's result folder ($OUT): the rows and summary come back for study
+                # the device's result folder ($OUT): rows and manifest come back for study (few files return)
                 if os.environ.get("OUT"):
-                    keep = Path(
-                        os.environ["OUT"], "runs", out.name
-                    )  # rows and manifest only: few files return
+                    keep = Path(os.environ["OUT"], "runs", out.name)
                     keep.mkdir(parents=True, exist_ok=True)
                     for f in [out / "_manifest.json", *out.glob("*.parquet")]:
                         shutil.copy(f, keep)

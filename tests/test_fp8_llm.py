@@ -467,6 +467,7 @@ prepare_llm(model.llm, compile=True, cache_dir=sys.argv[1])
 eng = E.Engine(model, cfg, dtype=torch.bfloat16, max_seq_len=2048, pool_blocks=64)
 with torch.inference_mode():
     eng._warm_prefill()
+eng.generate([E.Request(torch.arange(1, 30), sampling=E.Sampling(max_new_tokens=2, ignore_eos=True))])  # a decode step
 print(json.dumps(COUNTS))
 """
 
@@ -477,7 +478,7 @@ def test_compiled_fp8_engine_prefill_traces_whole(monkeypatch, tmp_path) -> None
     alone), traces into its graphs without falling back: a row count that Dynamo cannot reason about (unbacked)
     must not reach `_scaled_mm`, whose shape checks would then fail to trace and break the graph. The warm-up's
     admissions compile the layer graph and the last layer's for one row and for several; later batches of 1-4 rows
-    compile nothing. A fresh process loads the 3 saved graphs and compiles none (in-process loads cannot show it:
+    compile nothing. A fresh process loads the 4 saved graphs (a decode step's too) and compiles none (in-process loads cannot show it:
     Dynamo leaves aliases in the compiling process's module globals that a graph's guards may read)."""
     import subprocess
     import sys
@@ -505,7 +506,9 @@ def test_compiled_fp8_engine_prefill_traces_whole(monkeypatch, tmp_path) -> None
     for rows in (1, 4, 2):
         eng.generate([Request(torch.arange(1, 40 + 7 * i), sampling=quick) for i in range(rows)])
     assert compiled() == warm
+    two = Sampling(max_new_tokens=2, ignore_eos=True)
+    eng.generate([Request(torch.arange(1, 30), sampling=two)])  # and a decode step's graph
     fresh = subprocess.run([sys.executable, "-c", FP8_WARM_UP, str(tmp_path)], capture_output=True, text=True,
                            timeout=300)  # fmt: skip
     assert fresh.returncode == 0, fresh.stderr[-3000:]
-    assert json.loads(fresh.stdout.splitlines()[-1]) == {"loaded": 3, "compiled": 0}
+    assert json.loads(fresh.stdout.splitlines()[-1]) == {"loaded": 4, "compiled": 0}
