@@ -13,6 +13,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import subprocess
+import sys
 import weakref
 from pathlib import Path
 
@@ -467,7 +469,8 @@ prepare_llm(model.llm, compile=True, cache_dir=sys.argv[1])
 eng = E.Engine(model, cfg, dtype=torch.bfloat16, max_seq_len=2048, pool_blocks=64)
 with torch.inference_mode():
     eng._warm_prefill()
-eng.generate([E.Request(torch.arange(1, 30), sampling=E.Sampling(max_new_tokens=2, ignore_eos=True))])  # a decode step
+two = E.Sampling(max_new_tokens=2, ignore_eos=True)
+eng.generate([E.Request(torch.arange(1, 30), sampling=two)])  # and a decode step
 print(json.dumps(COUNTS))
 """
 
@@ -478,11 +481,9 @@ def test_compiled_fp8_engine_prefill_traces_whole(monkeypatch, tmp_path) -> None
     alone), traces into its graphs without falling back: a row count that Dynamo cannot reason about (unbacked)
     must not reach `_scaled_mm`, whose shape checks would then fail to trace and break the graph. The warm-up's
     admissions compile the layer graph and the last layer's for one row and for several; later batches of 1-4 rows
-    compile nothing. A fresh process loads the 4 saved graphs (a decode step's too) and compiles none (in-process loads cannot show it:
-    Dynamo leaves aliases in the compiling process's module globals that a graph's guards may read)."""
-    import subprocess
-    import sys
-
+    compile nothing. A fresh process loads the 4 saved graphs (a decode step's too) and compiles none (in-process
+    loads cannot show it: Dynamo leaves aliases in the compiling process's module globals that a graph's guards may
+    read)."""
     from torch._dynamo.utils import counters
 
     from batchvl.engine import Engine, Request, Sampling
