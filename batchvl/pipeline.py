@@ -473,6 +473,7 @@ class RowLoop:
                     next_batch(self.ready, eng, f.max_prefill_tokens, f.max_vit_tiles) if self.ready else []
                 )
                 if batch:
+                    self._feed(source, prep)  # the workers prepare the next batch while this one prefills
                     self._admit(batch)
                 elif eng.active:
                     self._step()
@@ -517,18 +518,9 @@ class RowLoop:
         together; FIRST_ROWS before the first admission) without waiting, or, with `wait` (the engine is idle),
         waiting for one (in lockstep: for all of them). Error rows are set aside until the rows before them are
         written."""
-        cached = self.flow.engine.cached_images()
-        # before the first admission the image cache is empty and every row taken brings its tiles: take few
-        most = self.flow.prefetch if self.admitted else min(self.flow.prefetch, FIRST_ROWS)
+        most = self._most()
         while len(self.ready) < most and len(self.deferred) < self.flow.prefetch:
-            while prep.has_room() and len(self.ready) + len(prep) < most:
-                row = next(source, None)
-                if row is None:
-                    break
-                if row.error:  # e.g. duplicate id: keeps its place in line behind the first occurrence
-                    prep.put_done(Item(row, time.perf_counter(), error=row.error))
-                else:
-                    prep.submit(Item(row, time.perf_counter()), cached)
+            self._feed(source, prep)
             if not len(prep) or not (wait or prep.head_ready()):
                 return
             item = prep.pop(self.stop)
@@ -547,6 +539,23 @@ class RowLoop:
                 continue
             self.ready.append(item)
             wait = self.flow.lockstep
+
+    def _most(self) -> int:
+        """Rows ready and in preparation together: before the first admission the image cache is empty and every
+        row taken brings its tiles, so few."""
+        return self.flow.prefetch if self.admitted else min(self.flow.prefetch, FIRST_ROWS)
+
+    def _feed(self, source: Iterator[SourceRow], prep: Preparer) -> None:
+        """Hand the preparer rows from `source` while it and `ready` hold fewer than `_most()` together."""
+        cached = self.flow.engine.cached_images()
+        while prep.has_room() and len(self.ready) + len(prep) < self._most():
+            row = next(source, None)
+            if row is None:
+                return
+            if row.error:  # e.g. duplicate id: keeps its place in line behind the first occurrence
+                prep.put_done(Item(row, time.perf_counter(), error=row.error))
+            else:
+                prep.submit(Item(row, time.perf_counter()), cached)
 
     def _lost_image(self, it: Item) -> bool:
         """Whether `it` was prepared without tiles (its images were in the engine's image cache) and needs them now:

@@ -363,15 +363,20 @@ def test_rows_whose_image_the_engine_holds_send_no_tiles(bad_rows_jsonl, tokeniz
     class Spy(Engine):
         forget = False
 
+        sent_tileless = False
+
         def admit(self, requests, logits_out=None):
             seen.extend(requests)
-            return super().admit(requests, logits_out)
+            done = super().admit(requests, logits_out)
+            # this admission evicts every image, after rows were sent to be prepared without tiles
+            if self.forget and self.sent_tileless:
+                self.image_cache.clear()
+                self.sent_tileless = False
+            return done
 
         def cached_images(self):
             keys = super().cached_images()
-            # evicted once the rows are sent to be prepared without tiles, before their admission
-            if self.forget:
-                self.image_cache.clear()
+            self.sent_tileless |= bool(keys)
             return keys
 
     def run(engine, out):
@@ -401,3 +406,29 @@ def test_rows_whose_image_the_engine_holds_send_no_tiles(bad_rows_jsonl, tokeniz
     forgetful.forget = True
     assert run(forgetful, tmp_path / "evicted") == plain
     assert len(seen) == 16 and len(prepared) > 16  # rows that lost their image were prepared again
+
+
+@pytest.mark.slow
+def test_workers_prepare_the_next_batch_while_the_engine_prefills():
+    """Rows are handed to the workers before a batch's prefill, not after it: while a long prefill runs they prepare
+    the next full batch. (Handed over only after it, the next pass found the few rows left over ready and admitted
+    them alone: the 38B caches job ran batches of 125, 3, 125, 3 rows.)"""
+
+    class SlowPrefill(FakeEngine):
+        def admit(self, requests):
+            import time
+
+            time.sleep(0.4)  # a GPU prefill: long beside a row's preparation
+            return super().admit(requests)
+
+    rows = [SourceRow(i, str(i), "q" * (1 + i % 5)) for i in range(44)]
+    engine = SlowPrefill(rows=64)
+    flow = Flow(engine, DyingPreprocessor(), str, Sampling(max_new_tokens=2), max_prefill_tokens=1000,
+                workers=2, prefetch=8)  # fmt: skip
+    written: list[dict] = []
+    RowLoop(flow, written.append, t0=0.0).run(rows)
+    assert sorted(int(r["id"]) for r in written) == list(range(44))
+    sizes = [b["n"] for b in engine.batches]
+    assert sum(sizes) == 44
+    # the first batches start while the workers start; from the third on every batch is a full prefetch
+    assert all(n == 8 for n in sizes[2:-1]), sizes
