@@ -271,14 +271,11 @@ class Preparer:
             out.pixel_values = torch.from_numpy(out.pixel_values)
         item.prepared, item.error = out, err
 
-    def close(self, now: bool = False) -> None:
-        """Shut the workers down: after their current rows, or killed at once (`now`, or rows in flight that nobody
-        will collect: one may be stuck)."""
+    def close(self) -> None:
+        """Stop the workers: killed, not asked to finish (a graceful exit of each spawned interpreter took 1-2 s of the
+        job's clock; the rows in flight, if any, are ones nobody will collect, and one may be stuck)."""
         if self.pool is not None:
-            if now or any(fut is not None and not fut.done() for _, fut in self.queue):
-                self._kill(wait=True)
-            else:
-                self.pool.shutdown(wait=True, cancel_futures=True)
+            self._kill(wait=True)
             self.pool = None
         if self.pinner is not None:
             self.pinner.shutdown(wait=True, cancel_futures=True)
@@ -453,7 +450,6 @@ class RowLoop:
         # rows, lengths 16..512, 512 rows in flight), and a job of up to 4x the rows in flight is sorted whole
         block = 2 * (eng.free_rows() + eng.active)
         source = longest_first(self._to_run(rows, done), lambda row: row_max_new_tokens(row, cap), cap, block)
-        ended = False
         try:
             while True:
                 if self.stop is not None and self.stop.is_set():
@@ -485,11 +481,10 @@ class RowLoop:
                 yield from self._written()
             self._flush_errors()
             yield from self._written()
-            ended = True
         finally:
             if eng.active:  # closed early or failed: nothing stays in flight
                 eng.abort()
-            prep.close(now=not ended or (self.stop is not None and self.stop.is_set()))
+            prep.close()
 
     def _to_run(self, rows: Iterable[SourceRow], done: set[str]) -> Iterator[SourceRow]:
         """`rows` less the ids in `done` (written by an earlier run), counted as skipped."""

@@ -340,7 +340,7 @@ class LoadedModel:
     def close(self) -> None:
         """Stop workers no run took."""
         if self.warm_prep is not None:
-            self.warm_prep.close(now=True)
+            self.warm_prep.close()
             self.warm_prep = None
 
 
@@ -365,7 +365,7 @@ def load_model(job: Job, ctx: dist.DistContext, engine_factory: Callable, device
         warm_parts = engine.warm_up() if hasattr(engine, "warm_up") else {}
         warm_s = time.perf_counter() - t_warm
     except BaseException:
-        prep.close(now=True)
+        prep.close()
         raise
     log.info("warm-up %.1f s (%s)", warm_s, ", ".join(f"{k} {v:.1f} s" for k, v in warm_parts.items()))
     log.info("model ready in %.1f s (%s, %s, %s)", load_s, job.model.path or job.model.preset, device, dtype)
@@ -467,7 +467,7 @@ def run_rows(model: LoadedModel, job: Job, rows: Iterable[dict] | None, manifest
             _mark_stopped(ctx, manifest, _this_run(manifest, ctx, duration, load_s, warm_s, ran), e)
         raise
     finally:
-        prep.close(now=stop_event is not None and stop_event.is_set())
+        prep.close()
         if beat is not None:
             beat.stop()  # this rank's rows are over, however they ended (finish() tells the others)
     log.info("rank done in %.1f s: %s", duration, counts)
