@@ -27,7 +27,7 @@ from batchvl.model.internvl import InternVL
 from batchvl.model.memory import MIN_PREFILL_TOKENS, activation_bytes
 from batchvl.ops.decode_attention import BLOCK
 from batchvl.ops.fp8 import Fp8Linear
-from batchvl.ops.prefill_attention import PER_SEQ_MIN_MEAN, AttnMeta, prefill_backend
+from batchvl.ops.prefill_attention import PER_SEQ_MIN_MEAN, AttnMeta, CascadePrefix, prefill_backend
 from batchvl.preprocess import pixel_input
 
 IMAGE_CACHE_ENTRIES = 64  # images' features kept by the image cache
@@ -316,6 +316,12 @@ class Engine:
         dev = self.device
         prefixes = [self._prefix(r) for r in requests]
         hit = [k is not None and k in self.prefix_cache for k, _ in prefixes]
+        # rows that hit a cached prefix first, those sharing one side by side: their queries read it together
+        group = {k: i for i, (k, _) in reversed(list(enumerate(prefixes)))}  # each prefix's first row
+        order = sorted(
+            range(len(requests)), key=lambda i: (not hit[i], group[prefixes[i][0]] if hit[i] else 0)
+        )
+        requests, prefixes, hit = ([x[i] for i in order] for x in (requests, prefixes, hit))
         seqs: list[_Seq] = []
         try:
             with _Timer(dev) as t_vit:
@@ -342,9 +348,10 @@ class Engine:
                     ids.append(r.input_ids[p:])
                     new_feats.append(f)
                     shared.append(p)
-                logits = self._prefill(ids, new_feats, shared, [s.row for s in seqs])
-                if logits_out is not None:
-                    logits_out.append(logits)
+                groups = [group[k] if h else -1 for (k, _), h in zip(prefixes, hit, strict=True)]
+                logits = self._prefill(ids, new_feats, shared, [s.row for s in seqs], groups)
+                if logits_out is not None:  # in the order asked
+                    logits_out.append(logits[torch.tensor(order).argsort().to(logits.device)])
                 first = sample_rows(logits, [r.sampling for r in requests], [s.seed for s in seqs],
                                     [0] * len(seqs)).tolist()  # fmt: skip
             first_s = time.perf_counter()
@@ -365,10 +372,10 @@ class Engine:
         return done
 
     def _prefill(
-        self, ids: list[torch.Tensor], feats: list, prefix_lens: list[int], rows: list[int]
+        self, ids: list[torch.Tensor], feats: list, prefix_lens: list[int], rows: list[int], groups: list[int]
     ) -> torch.Tensor:
         """Packed prefill of the new tokens `ids[i]` after `prefix_lens[i]` already in the pool, into table rows
-        `rows`; returns each sequence's last-token logits [B, V]."""
+        `rows` (`groups`: see `packed_meta`); returns each sequence's last-token logits [B, V]."""
         llm, dev = self.model.llm, self.device
         lengths = [int(t.shape[0]) for t in ids]
         flat = torch.cat(ids).to(dev, non_blocking=True)
@@ -378,7 +385,7 @@ class Engine:
         rows_t = torch.tensor(rows, device=dev)
         top = max(p + n for p, n in zip(prefix_lens, lengths, strict=True)) - 1
         table = self.tables[rows_t, : blocks_for(top + 1)]
-        pos, meta = packed_meta(lengths, prefix_lens, table, backend, self.all_heads)
+        pos, meta = packed_meta(lengths, prefix_lens, table, backend, self.all_heads, groups)
         # each sequence's last token alone through the last layer's attention output and MLP, and lm_head
         last = meta.cu_seqlens[1:].long() - 1
         return llm.logits(llm(h, pos, meta, self.pool, max_position=top, last=last))
@@ -560,10 +567,12 @@ def packed_meta(
     table: torch.Tensor,
     backend: str = "sdpa",
     all_heads: bool = True,
+    groups: list[int] | None = None,
 ):
     """Positions [T] and attention metadata for sequences of `lengths` new tokens after `prefix_lens` tokens already
     in the pool, sequence i's blocks in table[i] ([B, W] int32 on the device); `backend`: the prefill attention;
-    all_heads: every head on this GPU (not under tensor parallelism)."""
+    all_heads: every head on this GPU (not under tensor parallelism); groups: equal ids on consecutive sequences
+    whose cached prefix is the same blocks (default: each its own), which the "packed" backend reads once for all."""
     dev = table.device
     new = torch.tensor(lengths, dtype=torch.int64)
     total = [p + n for p, n in zip(prefix_lens, lengths, strict=True)]
@@ -583,18 +592,7 @@ def packed_meta(
         kv_lens=torch.tensor(total, device=dev),
         block_table=table,
     )
-    if any(prefix_lens):  # keys = the prefix already in the pool + the new tokens of each sequence
-        cu_k = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-        cu_k[1:] = torch.tensor(total).cumsum(0)
-        kseq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(total)).to(dev)
-        kpos = torch.cat([torch.arange(t) for t in total]).to(dev)
-        meta.cu_seqlens_k, meta.cu_seqlens_k_host, meta.max_seqlen_k = cu_k.to(dev), cu_k, max(total)
-        meta.key_rows, meta.key_pos = table[kseq, kpos // BLOCK].long(), kpos % BLOCK
-    elif backend == "packed":
-        # the op takes the same arguments with or without a prefix (one compiled graph): no prefix keys, and a copy
-        # of cu_seqlens made as the prefix's are (inputs that alias differently would get a graph of their own)
-        meta.cu_seqlens_k_host = cu.clone()
-        meta.cu_seqlens_k = meta.cu_seqlens_k_host.to(dev)
-        meta.max_seqlen_k = max(lengths)
-        meta.key_rows, meta.key_pos = (torch.zeros(0, dtype=torch.long, device=dev) for _ in range(2))
+    if backend == "packed":
+        groups = list(range(len(lengths))) if groups is None else groups
+        meta.prefix = CascadePrefix.build(lengths, prefix_lens, groups, table)
     return pos, meta

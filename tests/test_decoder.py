@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import torch
@@ -175,6 +176,50 @@ def test_last_layer_for_last_tokens_equals_full():
             torch.testing.assert_close(pools[1].v, pools[0].v, **TOL)
         with pytest.raises(ValueError, match="prefill into a KV cache"):
             dec(h, pos, meta, None, last=last)
+
+
+def test_cascade_after_a_shared_prefix_equals_the_reference():
+    """The packed op after cached prefixes attends in two parts merged by log-sum-exp: each run of rows sharing
+    prefix blocks against those keys read once, and every row causally against its own new keys. It equals the
+    reference (each row's prefix + new keys gathered, masked), for every token's logits and the pool it writes:
+    rows sharing a prefix at the front (their queries taken as they lie) and spread out (gathered), a row with a
+    prefix of its own, rows without one, a one-token row, and a run split by a row without a prefix."""
+    dec = _decoder()
+    g = torch.Generator().manual_seed(6)
+    pool = _pool(80)
+    shared, own = pool.allocate(2), pool.allocate(1)  # a 128-token prefix and a 64-token one
+    with torch.no_grad():
+        w = blocks_for(128)
+        first = torch.tensor([shared, own + [0] * (w - 1)], dtype=torch.int32)
+        _run(dec, [torch.randint(0, 1000, (n,), generator=g) for n in (128, 64)], pool, table=first)
+    layouts = [  # (prefix blocks, new tokens, group) per row: prefixed rows lead, then spread out
+        [(shared, 5, 0), (shared, 17, 0), (own, 9, 1), (None, 12, -1), (None, 1, -1)],
+        [(None, 7, -1), (shared, 1, 0), (shared, 30, 0), (None, 3, -1), (shared, 4, 0), (own, 20, 1)],
+    ]
+    for layout in layouts:
+        prefix = [64 * len(b) if b else 0 for b, _, _ in layout]
+        lens = [n for _, n, _ in layout]
+        pools = [copy.deepcopy(pool), copy.deepcopy(pool)]
+        rows = [
+            (b or []) + pools[0].allocate(blocks_for(p + n) - len(b or []))
+            for (b, n, _), p in zip(layout, prefix)
+        ]
+        width = max(len(r) for r in rows)
+        table = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32)
+        seqs = [torch.randint(0, 1000, (n,), generator=g) for n in lens]
+        h = dec.embed_tokens(torch.cat(seqs))
+        got = []
+        for backend, kv in (("sdpa", pools[0]), ("packed", pools[1])):
+            pos, meta = packed_meta(lens, prefix, table, backend, groups=[grp for _, _, grp in layout])
+            with torch.no_grad():
+                got.append(dec.logits(dec(h, pos, meta, kv)))
+        leading = meta.prefix.q_index.numel() == 0
+        assert leading == (layout is layouts[0]) and meta.prefix.cu_q_host.tolist() == (
+            [0, 22, 31] if leading else [0, 31, 35, 55]
+        )
+        torch.testing.assert_close(got[1], got[0], **TOL)
+        torch.testing.assert_close(pools[1].k, pools[0].k, **TOL)
+        torch.testing.assert_close(pools[1].v, pools[0].v, **TOL)
 
 
 def test_internlm2_wqkv_matches_llama(tmp_path):

@@ -117,6 +117,34 @@ def test_prefix_cache_logits_close_to_full_prefill():
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
+def test_packed_prefill_after_cached_prefixes_equals_the_plain_engine(monkeypatch):
+    """Through the packed op as on a GPU: a batch whose rows hit two cached prefixes, interleaved with a row without
+    one, is prefilled with each prefix's rows side by side (their queries read it together, `CascadePrefix`); the
+    first-token logits come back in the order asked and equal the plain engine's, without caches."""
+    model, cfg = _model()
+    reqs = _requests()
+    batch = [reqs[i] for i in (4, 2, 0, 3, 1)]  # text-only, image 2, image 1 three times
+    want = _engine(model, cfg).prefill_logits(batch)
+    monkeypatch.setattr("batchvl.engine.prefill_backend", lambda *a: "packed")
+    eng = _engine(model, cfg, EngineSpec(prefix_cache=True))
+    eng.prefill_logits(reqs[:3])  # stores the prefixes of images 1 and 2
+    metas = []
+    prefill = eng._prefill
+    monkeypatch.setattr(eng, "_prefill", lambda *a: metas.append(a) or prefill(*a))
+    got = eng.prefill_logits(batch)
+    assert eng.counters["prefix_cache_hits"] == 4
+    ids, feats, prefix_lens, rows, groups = metas[0]
+    assert prefix_lens == [
+        512,
+        256,
+        256,
+        256,
+        0,
+    ]  # image 2's row (2 tiles), image 1's rows, then the text row
+    assert groups[1:4] == [groups[1]] * 3 and groups[0] not in (groups[1], -1) and groups[4] == -1
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
 def test_eos_stops_unless_ignored():
     model, cfg = _model()
     r = _requests(Sampling(max_new_tokens=6, ignore_eos=True))[:1]

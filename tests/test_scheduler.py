@@ -182,9 +182,9 @@ def test_warm_up_takes_every_prefill_path_and_leaves_the_engine_as_it_was():
     seen = []
     prefill = eng._prefill
 
-    def spy(ids, feats, prefix_lens, rows):
+    def spy(ids, feats, prefix_lens, rows, groups):
         seen.append(prefix_lens)
-        return prefill(ids, feats, prefix_lens, rows)
+        return prefill(ids, feats, prefix_lens, rows, groups)
 
     eng._prefill = spy
     counters = dict(eng.counters)
