@@ -252,6 +252,56 @@ def fp8_main(preset: str, smoke: bool) -> int:
     return 0 if smoke or not any(r[-1] for r in rows) else 1
 
 
+def cascade_checks(c, dev, smoke: bool) -> list[tuple[str, float]]:
+    """The packed op after a shared cached prefix (cascade: the prefix's keys read once for its rows, merged by
+    log-sum-exp) in bf16 against the fp32 reference that gathers each row's prefix + new keys, at the seed job's
+    caches shapes: 125 rows of ~220 new tokens after one 1792-token prefix (smoke: 6 rows, 128). On CUDA also, as
+    context: flash varlen given fewer key heads than query heads, against the same keys repeated (torch 2.11's
+    `varlen_attn` has no `enable_gqa`, so batchvl repeats them)."""
+    from batchvl.ops import prefill_attention as pa
+
+    g = torch.Generator(device="cpu").manual_seed(2)
+    rows, prefix = (6, 128) if smoke else (125, 1792)
+    lens = torch.randint(100, 340, (rows,), generator=g).tolist()
+    pb = prefix // BLOCK
+    width = max(pb + blocks_for(n) for n in lens)
+    own = torch.randperm(rows * width, generator=g)[: rows * (width - pb)].view(rows, width - pb) + pb + 1
+    table = torch.cat([torch.arange(1, pb + 1).expand(rows, pb), own], 1).int().to(dev)  # block 0: scratch
+    kc, vc = (
+        torch.randn(rows * width + pb + 1, c.num_kv_heads, BLOCK, c.head_dim, generator=g) for _ in range(2)
+    )
+    q = torch.randn(sum(lens), c.num_heads, c.head_dim, generator=g)
+    k, v = (torch.randn(sum(lens), c.num_kv_heads, c.head_dim, generator=g) for _ in range(2))
+    out = {}
+    for backend, dtype in (("sdpa", torch.float32), ("packed", torch.bfloat16)):
+        _, meta = packed_meta(lens, [prefix] * rows, table, backend, groups=[0] * rows)
+        kd, vd, kcd, vcd = (t.to(dev, dtype) for t in (k, v, kc, vc))
+        kcd[meta.slot_b, :, meta.slot_pos], vcd[meta.slot_b, :, meta.slot_pos] = (
+            kd,
+            vd,
+        )  # as the layers write them
+        with torch.inference_mode():
+            out[backend] = pa.prefill_attention(q.to(dev, dtype), kd, vd, meta, kcd, vcd)
+    checks = [
+        (
+            f"cascade attention after a shared prefix ({rows} rows) bf16 vs fp32",
+            rel(out["packed"], out["sdpa"]),
+        )
+    ]
+    if dev.type == "cuda" and pa._VARLEN is not None:
+        qd, kd, vd = (t[:4096].to(dev, torch.bfloat16).contiguous() for t in (q, k, v))
+        cu = torch.tensor([0, 1000, 4096], dtype=torch.int32, device=dev)
+        rep = c.num_heads // c.num_kv_heads
+        want = pa._VARLEN(qd, kd.repeat_interleave(rep, 1), vd.repeat_interleave(rep, 1), cu, cu, 3096, 3096,
+                          window_size=(-1, 0))  # fmt: skip
+        try:
+            got = pa._VARLEN(qd, kd, vd, cu, cu, 3096, 3096, window_size=(-1, 0))
+            checks.append(("(context) flash varlen, key heads unrepeated vs repeated", rel(got, want)))
+        except Exception as e:  # noqa: BLE001 - a probe of what this torch's varlen_attn accepts
+            print(f"flash varlen with fewer key heads than query heads raised {type(e).__name__}: {e}")
+    return checks
+
+
 def main() -> int:
     smoke = "--smoke" in sys.argv  # CPU, a tiny preset: checks the script, not the numbers
     args = [a for a in sys.argv[1:] if a not in ("--smoke", "--fp8")]
@@ -426,6 +476,7 @@ def main() -> int:
             d16 = decode_attention(*(t.to(torch.bfloat16) for t in (qd, kc, vc)), kv_lens, table)
             d32 = decode_attention_reference(qd, kc, vc, kv_lens, table)
         rows.append((preset, "decode attention op (Triton kernel) bf16 vs fp32 reference", rel(d16, d32)))
+        rows += [(preset, *r) for r in cascade_checks(c, dev, smoke)]
     # bf16 limit: 1e-2, or for the LLM rows 1.25x transformers' own bf16 error on the same weights and inputs
     # (random weights make the LLM's bf16 error larger than trained weights do; both are printed); [loaded] rows: 0
     # (the same compiled code), and on the GPU some graph loaded

@@ -56,6 +56,7 @@ def test_bench_smoke(script, extra):
         assert (
             "| tiny-qwen2 | decode attention op" in p.stdout and "greedy tokens default + caches" in p.stdout
         )
+        assert "| tiny-qwen2 | cascade attention after a shared prefix (6 rows) bf16 vs fp32 |" in p.stdout
     if "--rounds" in extra:
         assert "median x floor" in p.stdout
     assert "|" in p.stdout  # the table
