@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch._dynamo.decorators import mark_unbacked
 
 from batchvl import dist
 from batchvl.config import from_preset, load_config
@@ -23,7 +24,7 @@ from batchvl.llm.decoder import Decoder, DecoderLayer
 from batchvl.model.internvl import InternVL
 from batchvl.model.loader import load_model, random_model
 from batchvl.model.memory import MIN_PREFILL_TOKENS, check_fits, memory_plan
-from batchvl.ops.fp8 import fp8_unsupported
+from batchvl.ops.fp8 import Fp8Linear, fp8_unsupported
 from batchvl.ops.prefill_attention import unbacked_batch_dims
 from batchvl.precompile import Precompiled
 
@@ -135,6 +136,10 @@ def prepare_llm(llm: Decoder, compile: bool, cache_dir: str | None = None) -> No
 def _mark_prefill(layer, x, cos, sin, meta, *rest) -> None:
     if not meta.is_decode:
         unbacked_batch_dims(meta)
+        if len(rest) == 2 and not isinstance(
+            layer.mlp.down, Fp8Linear
+        ):  # forward_last: one graph for any row count
+            mark_unbacked(rest[1], 0)  # (an unbacked row count fails FP8 GEMMs' tracing)
 
 
 def vision_encoder(model: InternVL, settings: EngineSpec, ctx: dist.DistContext | None = None) -> Callable:

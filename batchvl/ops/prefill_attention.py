@@ -375,8 +375,8 @@ def unbacked_batch_dims(meta: AttnMeta) -> None:
     """Keep a prefill's row count B and block-table width W symbolic in the compiled layers, a value of 1 included:
     Dynamo would otherwise give a lone row or a one-block batch graphs of their own.
     Marks meta's [B] / [B+1] tensors, its [B, W] block table and its cascade prefix's tensors (0 or 1 long without a
-    prefix), which only custom ops read. (Not the last layer's rows `last` [B]: an unbacked row count reaching an FP8
-    GEMM fails to trace, so the last-tokens path keeps a graph for one row.)"""
+    prefix), which only custom ops read. (The last layer's rows `last` [B] are the builder's to mark: not with FP8
+    linears, whose GEMMs fail to trace an unbacked row count.)"""
     from torch._dynamo.decorators import mark_unbacked
 
     c = meta.prefix
