@@ -136,10 +136,10 @@ def prepare_llm(llm: Decoder, compile: bool, cache_dir: str | None = None) -> No
 def _mark_prefill(layer, x, cos, sin, meta, *rest) -> None:
     if not meta.is_decode:
         unbacked_batch_dims(meta)
-        if len(rest) == 2 and not isinstance(
-            layer.mlp.down, Fp8Linear
-        ):  # forward_last: one graph for any row count
-            mark_unbacked(rest[1], 0)  # (an unbacked row count fails FP8 GEMMs' tracing)
+        # forward_last's rows: one graph for any row count (an unbacked row count fails FP8 GEMMs' tracing)
+        fp8 = isinstance(layer.mlp.down, Fp8Linear)
+        if len(rest) == 2 and not fp8:
+            mark_unbacked(rest[1], 0)
 
 
 def vision_encoder(model: InternVL, settings: EngineSpec, ctx: dist.DistContext | None = None) -> Callable:
