@@ -167,7 +167,11 @@ def _varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool = True, ls
     elif q.shape[1] != k.shape[1]:
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    return _VARLEN(q, k, v, cu_q, cu_k, max_q, max_k, **kw)
+    out = _VARLEN(q, k, v, cu_q, cu_k, max_q, max_k, **kw)
+    # lse: [heads, tokens], as torch's fake gives it (its docstring says [tokens, heads])
+    if lse and tuple(out[1].shape) != (q.shape[1], q.shape[0]):
+        raise RuntimeError(f"varlen_attn's log-sum-exp is {tuple(out[1].shape)}, expected [heads, tokens]")
+    return out
 
 
 def prefill_varlen(q, k, v, meta: AttnMeta, k_cache=None, v_cache=None) -> torch.Tensor:
