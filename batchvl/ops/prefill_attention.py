@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from batchvl.ops.lse_merge import merge_attn_
 from batchvl.ops.sdpa import sdpa_context
 
 
@@ -211,14 +212,6 @@ def attn_lse(q, k, v, cu_q: list[int], cu_k: list[int], causal: bool) -> tuple[t
             outs.append(torch.einsum("hqk,khd->qhd", (scores - lse[..., None]).exp(), vv).to(q.dtype))
             lses.append(lse)
     return torch.cat(outs), torch.cat(lses, 1)
-
-
-def merge_attn_(o_a, lse_a, o_b, lse_b) -> None:
-    """o_a becomes the attention over the union of two disjoint key sets, from the same queries' attention over each:
-    o [T, H, D], lse [H, T] float32. (Weights and sums in float32, in two passes over the outputs.)"""
-    lse = torch.logaddexp(lse_a, lse_b)
-    w_a, w_b = ((x - lse).exp().t().unsqueeze(-1) for x in (lse_a, lse_b))  # [T, H, 1]
-    o_a.copy_((o_a * w_a).addcmul_(o_b, w_b))  # (a bf16 output times float32 weights is float32)
 
 
 PER_SEQ_ROWS = 64  # causal_attn_per_seq computes each sequence over a window of a multiple of this many rows
