@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 
+import pytest
 import torch
 from conftest import llama_to_internlm2, tiny_hf_config
 
@@ -220,6 +221,10 @@ def test_cascade_after_a_shared_prefix_equals_the_reference():
         torch.testing.assert_close(got[1], got[0], **TOL)
         torch.testing.assert_close(pools[1].k, pools[0].k, **TOL)
         torch.testing.assert_close(pools[1].v, pools[0].v, **TOL)
+    with pytest.raises(
+        ValueError, match="share a prefix group"
+    ):  # one group, two prefix lengths: a caller's bug
+        packed_meta([3, 3], [64, 128], table[:2, :3], "packed", groups=[0, 0])
 
 
 def test_internlm2_wqkv_matches_llama(tmp_path):

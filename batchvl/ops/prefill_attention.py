@@ -81,6 +81,10 @@ class CascadePrefix:
                 continue
             q_index.append(torch.arange(starts[i], starts[i] + n))
             if i and prefix_lens[i - 1] and groups[i - 1] == groups[i]:  # the group goes on
+                if prefix_lens[i - 1] != p:
+                    raise ValueError(
+                        f"rows {i - 1} and {i} share a prefix group but cache {prefix_lens[i - 1]} / {p} tokens"
+                    )
                 cu_q[-1] += n
                 continue
             cu_q.append(cu_q[-1] + n)
