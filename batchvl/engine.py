@@ -541,8 +541,9 @@ class Engine:
 
     def _warm_prefill(self) -> None:
         """Admit dummy rows down each path a job takes: packed prefill, a long row (cuDNN per sequence) and short
-        rows (flash varlen) through one graph, the last layer for one row (a graph of its own) and for several, and
-        prefix-cache hits; as few tokens as that takes. Caches and counters are left as they were."""
+        rows (flash varlen) through one graph, the last layer for one row and for several (with FP8 linears, a graph
+        each), and prefix-cache hits (the cascade); as few tokens as that takes. Caches and counters are left as they
+        were."""
         counters = dict(self.counters)
         quick = Sampling(max_new_tokens=1, ignore_eos=True)  # finished at admission: nothing stays in flight
         for n, rows in ((PER_SEQ_MIN_MEAN + 1, 1), (25, 2)):
