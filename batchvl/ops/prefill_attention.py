@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from batchvl.ops.decode_attention import BLOCK
 from batchvl.ops.lse_merge import merge_attn_
 from batchvl.ops.sdpa import sdpa_context
 
@@ -69,8 +70,6 @@ class CascadePrefix:
     ) -> CascadePrefix:
         """From the sequences' new-token `lengths` and cached `prefix_lens`, `groups` (equal ids on consecutive rows:
         the same prefix blocks) and their block table [B, W] on the device."""
-        from batchvl.ops.decode_attention import BLOCK
-
         starts = [0, *itertools.accumulate(lengths)]
         q_index: list[torch.Tensor] = []
         key_rows: list[torch.Tensor] = []
@@ -133,8 +132,6 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask=
 
 def _row_keys(meta: AttnMeta, i: int, n: int, k_cache, v_cache) -> tuple[torch.Tensor, torch.Tensor]:
     """Sequence i's keys and values in the pool, its cached prefix then its n new tokens: [prefix + n, Hkv, D]."""
-    from batchvl.ops.decode_attention import BLOCK
-
     pos = torch.arange(meta.prefix_lens[i] + n, device=meta.block_table.device)
     rows = meta.block_table[i, pos // BLOCK].long()
     return k_cache[rows, :, pos % BLOCK], v_cache[rows, :, pos % BLOCK]
