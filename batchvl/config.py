@@ -265,3 +265,24 @@ def config_to_dict(cfg: InternVLConfig) -> dict:
     top = d(cfg)
     top["vision"], top["llm"] = d(cfg.vision), d(cfg.llm)
     return top
+
+
+def config_from_dict(d: dict) -> InternVLConfig:
+    """`config_to_dict`'s inverse."""
+    rest = {k: v for k, v in d.items() if k not in ("vision", "llm")}
+    return InternVLConfig(vision=VisionConfig(**d["vision"]), llm=LLMConfig(**d["llm"]), **rest)
+
+
+def with_layers(cfg: InternVLConfig, n: int) -> InternVLConfig:
+    """The same model with at most n layers in the ViT and in the LLM (what a compiled layer's graph sees is
+    unchanged: `graph_key`)."""
+    vision = replace(cfg.vision, num_layers=min(n, cfg.vision.num_layers))
+    return replace(cfg, vision=vision, llm=replace(cfg.llm, num_layers=min(n, cfg.llm.num_layers)))
+
+
+def graph_key(cfg: InternVLConfig | LLMConfig) -> str:
+    """What a compiled graph of one layer depends on in a config: all of it but the layer counts (graphs take the
+    layer's weights as inputs, so a model with fewer layers compiles the same ones)."""
+    if isinstance(cfg, LLMConfig):
+        return repr(replace(cfg, num_layers=0))
+    return repr(with_layers(cfg, 0))

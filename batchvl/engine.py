@@ -34,6 +34,7 @@ IMAGE_CACHE_ENTRIES = 64  # images' features kept by the image cache
 PREFIX_CACHE_ENTRIES = 64  # prefixes whose pool blocks the prefix cache keeps
 MAX_ROWS = 512  # sequences in flight at most (the largest decode graph)
 CPU_POOL_BYTES = 1 << 30  # the KV pool off CUDA
+WARM_PARTS = ("vit", "prefill", "decode_graphs")  # what `Engine.warm_up` compiles or captures, in order
 
 
 @dataclass
@@ -512,27 +513,29 @@ class Engine:
         otherwise compile on its clock: the ViT's one set of graphs, each prefill variant of the compiled decoder
         layers and the decode graph of every row bucket. Seconds per part (nothing to do when eager). CUDA only: on a
         CPU, compiling all this up front costs more than a job's rows (the compiles happen as rows need them)."""
-        secs: dict[str, float] = {}
         if self.device.type != "cuda":
-            return secs
+            return {}
+        secs = {part: self.warm_part(part) for part in WARM_PARTS}
+        return {part: s for part, s in secs.items() if s is not None}
+
+    @torch.inference_mode()
+    def warm_part(self, part: str) -> float | None:
+        """One part of `warm_up` (`WARM_PARTS`), on any device: its seconds, or None where it has nothing to do."""
         t = time.perf_counter()
-        if hasattr(self.encode_fn, "warmup"):  # a CompiledEncoder
+        if part == "vit" and hasattr(self.encode_fn, "warmup"):  # a CompiledEncoder
             self.encode_fn.warmup()
-            secs["vit"] = self._synced_since(t)
-        if self.model.llm.compiled_last is not None:
-            t = time.perf_counter()
+        elif part == "prefill" and self.model.llm.compiled_last is not None:
             self._warm_prefill()
-            secs["prefill"] = self._synced_since(t)
-        if self.decode_step.graphs:
-            t = time.perf_counter()
+        elif part == "decode_graphs" and self.decode_step.graphs:
             R = self.max_rows
             while R >= 8:  # the largest first: the graphs share one memory pool
                 # token 0 at position 0 into block 0 (scratch)
                 z = torch.zeros(R, dtype=torch.long, device=self.device)
                 self.decode_step(z, z.clone(), self.tables[:R], self.pool)
                 R //= 2
-            secs["decode_graphs"] = self._synced_since(t)
-        return secs
+        else:
+            return None
+        return self._synced_since(t)
 
     def _synced_since(self, t: float) -> float:
         if self.device.type == "cuda":

@@ -68,14 +68,19 @@ class Item:
 _WORKER_PRE: Callable | None = None
 
 
-def _init_worker(pre: Callable, parent: int) -> None:
-    """Pool initializer: die with the parent (even on its SIGKILL), ignore Ctrl-C (the parent decides what stops),
-    keep this worker's Preprocessor (its tokenizer loads once, on first use)."""
-    global _WORKER_PRE
+def die_with_parent(parent: int) -> None:
+    """This process is killed when `parent` dies, even by SIGKILL (Linux), and exits now if it already has."""
     if sys.platform == "linux":
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     if os.getppid() != parent:  # the parent died before the line above
         os._exit(1)
+
+
+def _init_worker(pre: Callable, parent: int) -> None:
+    """Pool initializer: die with the parent (even on its SIGKILL), ignore Ctrl-C (the parent decides what stops),
+    keep this worker's Preprocessor (its tokenizer loads once, on first use)."""
+    global _WORKER_PRE
+    die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
     _WORKER_PRE = pre

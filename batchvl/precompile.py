@@ -40,7 +40,7 @@ def source_digest(repo: Path = Path(__file__).resolve().parents[1]) -> str:
 
 
 @functools.cache
-def _platform_key(device: torch.device) -> str:
+def platform_key(device: torch.device) -> str:
     """What a saved graph depends on besides its function: torch and Triton builds, the library's source, the GPU
     (its index too: guards check a tensor's device, so each rank of a job loads only its own graphs)."""
     import triton
@@ -97,7 +97,7 @@ class Precompiled:
         dev = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
         name = f"{self.fn.__module__}.{self.fn.__qualname__}"
         tag = hashlib.blake2b(f"{name}|{self.tag}|{self.opts}".encode(), digest_size=8).hexdigest()
-        return Path(self.cache_dir) / "precompiled" / _platform_key(dev) / f"{self.fn.__qualname__}-{tag}"
+        return Path(self.cache_dir) / "precompiled" / platform_key(dev) / f"{self.fn.__qualname__}-{tag}"
 
     def _load(self, args: tuple) -> list:
         self.dir = self._folder(args)

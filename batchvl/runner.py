@@ -104,11 +104,21 @@ def build_engine(
     """The model, ready to serve, and the engine over it (its KV pool sized from the memory left)."""
     from batchvl.engine import Engine
     from batchvl.model.build import build_model
+    from batchvl.model.compile_helpers import ColdStart
 
-    model, encode = build_model(job.model, job.engine, device, dtype, ctx)
     longest = job.preprocess.max_input_tokens + job.generation.max_new_tokens
-    return Engine(model, model.cfg, job.engine, device, dtype, eos_token_ids, encode, longest,
-                  seed=job.generation.seed)  # fmt: skip
+    tp = ctx.tp if ctx is not None else 1
+    cold = ColdStart(model_config(job), job.model.quantization, job.engine, device, dtype, longest, tp)
+    try:  # a cold start's graphs compile in helper processes while the weights load
+        model, encode = build_model(job.model, job.engine, device, dtype, ctx)
+        cold.wait()
+    except BaseException:
+        cold.kill()
+        raise
+    engine = Engine(model, model.cfg, job.engine, device, dtype, eos_token_ids, encode, longest,
+                    seed=job.generation.seed)  # fmt: skip
+    engine.cold_start = cold
+    return engine
 
 
 def preprocess_config(job: Job, cfg: InternVLConfig) -> PreprocessConfig:
@@ -326,7 +336,7 @@ class LoadedModel:
     flow: Flow
     load_s: float
     warm_s: float
-    warm_parts: dict[str, float]  # the warm-up's seconds by part (vit, prefill, decode_graphs)
+    warm_parts: dict[str, float]  # the warm-up's seconds by part (compile_helpers, then `WARM_PARTS`)
     warm_prep: Preparer | None  # workers started while the model loaded, for the first run
 
     def start_run(self) -> tuple[Preparer, float, float]:
@@ -356,14 +366,21 @@ def load_model(job: Job, ctx: dist.DistContext, engine_factory: Callable, device
     try:
         t_load = time.perf_counter()
         engine = engine_factory(job, device, dtype, stop_token_ids(tokenizer), ctx)
-        load_s = time.perf_counter() - t_load
+        cold = getattr(engine, "cold_start", None)
+        # waiting for compile helpers after the weights were in is start-up's compile time, not the load's
+        helpers_s = cold.waited_s if cold is not None else 0.0
+        load_s = time.perf_counter() - t_load - helpers_s
         if ctx.tp > 1 and hasattr(
             engine, "pool"
         ):  # every rank of a replica runs the same batches: the same pool
             engine.pool.limit(min(dist.all_gather_object(ctx, engine.pool.num_blocks)))
         t_warm = time.perf_counter()  # before any row flows: no preprocessing thread runs during the captures
         warm_parts = engine.warm_up() if hasattr(engine, "warm_up") else {}
-        warm_s = time.perf_counter() - t_warm
+        warm_s = time.perf_counter() - t_warm + helpers_s
+        if helpers_s:
+            warm_parts = {"compile_helpers": helpers_s} | warm_parts
+        if cold is not None:
+            cold.warmed()
     except BaseException:
         prep.close()
         raise

@@ -33,6 +33,7 @@ import torch
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 from common import hf_sharing_weights, matmul_ceiling, request_flops, same_tokens, sync_time  # noqa: E402
 
+from batchvl.engine import WARM_PARTS  # noqa: E402
 from batchvl.job import load_job  # noqa: E402
 from batchvl.model.loader import random_model  # noqa: E402
 from batchvl.output import read_rows  # noqa: E402
@@ -236,8 +237,8 @@ def main() -> None:
     print(f"torch {torch.__version__}, {gpu}; runner: {'; '.join(commits)}")
     print(f"MFU: every row's full model FLOPs (work the caches skip included) / duration / {ceiling:.0f} TFLOP/s "
           "(8192^3 bf16 matmul timed in this run)" if ceiling else "MFU: n/a on CPU")  # fmt: skip
-    print("start-up s: the summary's warm-up + ViT compiles during the job (rank 0's warm-up: vit / prefill / decode "
-          "graphs); graphs: loaded precompiled / traced by Dynamo / "
+    print("start-up s: the summary's warm-up + ViT compiles during the job (rank 0's warm-up: [waiting for compile "
+          "helpers /] vit / prefill / decode graphs); graphs: loaded precompiled / traced by Dynamo / "
           "graph breaks; "
           "active: mean rows per decode step")  # fmt: skip
     if hf_best:
@@ -252,7 +253,7 @@ def main() -> None:
 
     def startup(r):
         parts = r.get("startup_parts") or {}
-        split = " / ".join(f"{parts[k]:.1f}" for k in ("vit", "prefill", "decode_graphs") if k in parts)
+        split = " / ".join(f"{parts[k]:.1f}" for k in ("compile_helpers", *WARM_PARTS) if k in parts)
         return f(r.get("startup_s"), ".1f") + (f" ({split})" if split else "")
 
     def graphs(g):

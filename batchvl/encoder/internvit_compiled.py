@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from batchvl.config import graph_key
 from batchvl.encoder.internvit import (
     InternViTAttention,
     InternViTEmbeddings,
@@ -236,7 +237,7 @@ class CompiledEncoder:
         if self.inplace:
             fold_scales(enc)
         # static but for the dimensions `tiles_dynamic` marks; graphs saved under cache_dir (`Precompiled`)
-        tag = f"{enc.cfg} {next(enc.parameters()).dtype}"
+        tag = f"{graph_key(enc.cfg)} {next(enc.parameters()).dtype}"
         layer = fast_layer_inplace if self.inplace else fast_layer
         self.embed = Precompiled(fast_embed, cache_dir, tag, mark=_mark_embed, dynamic=False)
         self.layer = Precompiled(layer, cache_dir, tag, mark=_mark_layer, dynamic=False)

@@ -16,7 +16,7 @@ import torch
 from torch._dynamo.decorators import mark_unbacked
 
 from batchvl import dist
-from batchvl.config import from_preset, load_config
+from batchvl.config import from_preset, graph_key, load_config
 from batchvl.encoder.internvit_compiled import CompiledEncoder
 from batchvl.encoder.split_overlap import DPVisionEncoder, TPVisionEncoder, choose_vit_mode
 from batchvl.job import EngineSpec, ModelSpec
@@ -127,7 +127,7 @@ def prepare_llm(llm: Decoder, compile: bool, cache_dir: str | None = None) -> No
     # tied by Dynamo's duck sizing and compile again when they differ
     torch.fx.experimental._config.use_duck_shape = False
     p = llm.embed_tokens.weight
-    tag = f"{llm.cfg} {p.dtype} {type(llm.layers[0].mlp.down).__name__}"
+    tag = f"{graph_key(llm.cfg)} {p.dtype} {type(llm.layers[0].mlp.down).__name__}"
     opts = dict(mark=_mark_prefill, dynamic=True)
     llm.compiled_layer = Precompiled(DecoderLayer.forward, cache_dir, tag, **opts)
     llm.compiled_last = Precompiled(DecoderLayer.forward_last, cache_dir, tag, **opts)

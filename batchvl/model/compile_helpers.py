@@ -1,0 +1,170 @@
+"""A cold start's graphs compiled in helper processes while the job's process loads the weights.
+
+With nothing under engine.cache_dir for this model, library, torch and GPU, the warm-up compiles its graphs one after
+another, after the weights are in: most of a cold start-up (bench/RESULTS.md). Each graph is one layer's, with the
+layer's weights as inputs (`graph_key`), so a stand-in of the model's widths with 2 layers of each kind compiles the
+same graphs. `ColdStart` runs one process per warm-up part (`WARM_PARTS`), each with its own stand-in, while the
+job's process loads the weights; each saves its graphs (`Precompiled`), and the job's warm-up then loads them.
+Helpers are an optimization only: one that fails costs time, and the warm-up compiles whatever it finds missing.
+After a warm-up, a marker file says this model's graphs are saved, and later starts run no helper.
+
+`python -m batchvl.model.compile_helpers PART PARENT_PID` is a helper: it reads its spec (JSON) on stdin, and dies
+with the job's process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+from batchvl.config import InternVLConfig, config_from_dict, config_to_dict, with_layers
+from batchvl.job import EngineSpec
+from batchvl.precompile import platform_key
+
+log = logging.getLogger(__name__)
+# a layer's graph is called with the next layer's norm: two layers make the calls a job makes
+STAND_IN_LAYERS = 2
+HELPER_TIMEOUT_S = 600.0  # a helper still compiling then is killed: the warm-up compiles what it left
+
+
+def _spec(cfg: InternVLConfig, quantization: str, settings: EngineSpec, device: torch.device, dtype: torch.dtype,
+          max_seq_len: int) -> dict:  # fmt: skip
+    return {"config": config_to_dict(cfg), "quantization": quantization, "engine": dataclasses.asdict(settings),
+            "device": str(device), "dtype": str(dtype).removeprefix("torch."), "max_seq_len": max_seq_len}  # fmt: skip
+
+
+def marker(spec: dict) -> Path:
+    """The file that says a warm-up of this model and these engine settings ran here: its graphs are saved."""
+    key = hashlib.blake2b(json.dumps(spec, sort_keys=True).encode(), digest_size=8).hexdigest()
+    root = Path(spec["engine"]["cache_dir"]).expanduser() / "precompiled"
+    return root / platform_key(torch.device(spec["device"])) / f"warmed-{key}"
+
+
+class Helpers:
+    """The helper processes of one start: `wait()` once the weights are in, `kill()` if the start fails."""
+
+    def __init__(self, spec: dict, parts: tuple[str, ...]) -> None:
+        self.spec, self.t0 = spec, time.perf_counter()
+        env = dict(os.environ)
+        # Inductor's compile workers, shared out: each helper would otherwise start one per core
+        threads = max(1, (os.cpu_count() or 1) // (len(parts) + 1))
+        env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(threads))
+        self.procs: dict[str, tuple[subprocess.Popen, IO[bytes]]] = {}
+        for part in parts:
+            out = tempfile.TemporaryFile()
+            cmd = [sys.executable, "-m", __name__, part, str(os.getpid())]
+            p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, env=env)
+            p.stdin.write(json.dumps(spec).encode())
+            p.stdin.close()
+            self.procs[part] = (p, out)
+
+    def wait(self) -> float:
+        """Wait for every helper (a failure is logged, not raised); the seconds waited."""
+        t = time.perf_counter()
+        for part, (p, out) in self.procs.items():
+            try:
+                rc = p.wait(timeout=max(1.0, HELPER_TIMEOUT_S - (time.perf_counter() - self.t0)))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                rc = p.wait()
+            out.seek(0)
+            text = out.read().decode(errors="replace")
+            out.close()
+            if rc != 0:
+                tail = "\n".join(text.splitlines()[-20:])
+                log.warning("compile helper for %s failed (exit %s); the warm-up compiles what it left:\n%s",
+                            part, rc, tail)  # fmt: skip
+        log.info("compile helpers (%s) done %.1f s after they started; waited %.1f s", ", ".join(self.procs),
+                 time.perf_counter() - self.t0, time.perf_counter() - t)  # fmt: skip
+        return time.perf_counter() - t
+
+    def kill(self) -> None:
+        for p, out in self.procs.values():
+            p.kill()
+            p.wait()
+            out.close()
+
+
+class ColdStart:
+    """One start's helpers: started where this machine has not saved the model's graphs (no marker), on CUDA, compiled,
+    without tensor parallelism (a rank's layers are shards). `wait()` once the weights are in (before the KV pool is
+    sized from the free memory: helpers hold some), `kill()` if the start fails, `warmed()` after the warm-up."""
+
+    def __init__(self, cfg: InternVLConfig, quantization: str, settings: EngineSpec, device: torch.device,
+                 dtype: torch.dtype, max_seq_len: int, tp: int = 1) -> None:  # fmt: skip
+        from batchvl.engine import WARM_PARTS
+
+        self.compiled = device.type == "cuda" and not settings.eager
+        self.spec = _spec(cfg, quantization, settings, device, dtype, max_seq_len)
+        self.marker = marker(self.spec) if self.compiled else None
+        cold = self.compiled and tp == 1 and not self.marker.exists()
+        self.helpers = Helpers(self.spec, WARM_PARTS) if cold else None
+        self.waited_s = 0.0  # seconds the start waited for helpers after its weights were in
+
+    def wait(self) -> None:
+        if self.helpers is not None:
+            self.waited_s = self.helpers.wait()
+            self.helpers = None
+
+    def kill(self) -> None:
+        if self.helpers is not None:
+            self.helpers.kill()
+            self.helpers = None
+
+    def warmed(self) -> None:
+        """This model's graphs are saved here: later starts need no helper."""
+        if self.marker is None:
+            return
+        try:
+            self.marker.parent.mkdir(parents=True, exist_ok=True)
+            self.marker.touch()
+        except OSError as e:  # a read-only cache: every start runs helpers, nothing worse
+            log.warning("could not write %s (%s)", self.marker, e)
+
+
+def compile_part(spec: dict, part: str) -> Any:
+    """Build a stand-in of the spec's model (`STAND_IN_LAYERS` layers, random weights) and run the warm-up's `part`
+    through it, which compiles and saves that part's graphs. Returns the engine (for tests)."""
+    from batchvl.engine import Engine
+    from batchvl.llm.kv_cache import blocks_for
+    from batchvl.model.build import prepare_llm, use_compile_cache, vision_encoder
+    from batchvl.model.loader import random_model
+
+    settings = EngineSpec(**spec["engine"])
+    device, dtype = torch.device(spec["device"]), getattr(torch, spec["dtype"])
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    use_compile_cache(settings.cache_dir)
+    cfg = with_layers(config_from_dict(spec["config"]), STAND_IN_LAYERS)
+    model, _ = random_model(cfg, device, dtype, quantization=spec["quantization"])
+    # each part compiles its own graphs only: the others run eager here
+    prepare_llm(model.llm, part != "vit", settings.cache_dir)
+    encode = vision_encoder(model, settings) if part == "vit" else model.vision
+    width = blocks_for(spec["max_seq_len"])
+    engine = Engine(model, cfg, settings, device, dtype, encode_fn=encode, max_seq_len=spec["max_seq_len"],
+                    pool_blocks=2 * width + 64)  # fmt: skip
+    engine.warm_part(part)
+    return engine
+
+
+def main() -> None:
+    from batchvl.pipeline import die_with_parent
+
+    die_with_parent(int(sys.argv[2]))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s compile helper %(name)s: %(message)s")
+    compile_part(json.loads(sys.stdin.read()), sys.argv[1])
+
+
+if __name__ == "__main__":
+    main()
