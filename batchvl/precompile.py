@@ -111,6 +111,7 @@ class Precompiled:
             log.info("%s: torch.compile, as %s says", self.fn.__qualname__, self.dir / FALLBACK)
             self.fallback = torch.compile(self.fn, **self.opts)
             return graphs
+        t0 = time.perf_counter()
         for path in sorted(self.dir.glob("*.bin")):
             try:
                 with path.open("rb") as f:
@@ -119,6 +120,7 @@ class Precompiled:
                 log.warning("dropping unloadable precompiled graph %s (%s: %s)", path, type(e).__name__, e)
                 path.unlink(missing_ok=True)
         COUNTS["loaded"] += len(graphs)
+        log.info("loaded %d graphs of %s in %.2f s", len(graphs), self.fn.__qualname__, time.perf_counter() - t0)
         self.loaded = len(graphs)
         return graphs
 
