@@ -10,6 +10,7 @@ when to step. The engine takes a model ready to serve (`model.build.build_model`
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -30,6 +31,7 @@ from batchvl.ops.fp8 import Fp8Linear
 from batchvl.ops.prefill_attention import PER_SEQ_MIN_MEAN, AttnMeta, CascadePrefix, prefill_backend
 from batchvl.preprocess import pixel_input
 
+log = logging.getLogger(__name__)
 IMAGE_CACHE_ENTRIES = 64  # images' features kept by the image cache
 PREFIX_CACHE_ENTRIES = 64  # prefixes whose pool blocks the prefix cache keeps
 MAX_ROWS = 512  # sequences in flight at most (the largest decode graph)
@@ -164,6 +166,8 @@ class Engine:
         if pool_blocks is None:
             pool_blocks = self._auto_pool_bytes() // per_block
         self.pool = KVPool(c.num_layers, pool_blocks, attn.n_kv, c.head_dim, self.device, dtype)
+        log.info("KV pool %d blocks (%d tokens, %.1f GiB); prefill budget %d tokens", pool_blocks,
+                 pool_blocks * BLOCK, pool_blocks * per_block / 2**30, self.max_prefill_tokens)  # fmt: skip
         self.max_rows = MAX_ROWS
         self.tables = torch.zeros(self.max_rows, self.width, dtype=torch.int32, device=self.device)
         self.rows: list[_Seq | None] = [None] * self.max_rows

@@ -120,7 +120,9 @@ class Precompiled:
                 log.warning("dropping unloadable precompiled graph %s (%s: %s)", path, type(e).__name__, e)
                 path.unlink(missing_ok=True)
         COUNTS["loaded"] += len(graphs)
-        log.info("loaded %d graphs of %s in %.2f s", len(graphs), self.fn.__qualname__, time.perf_counter() - t0)
+        log.info(
+            "loaded %d graphs of %s in %.2f s", len(graphs), self.fn.__qualname__, time.perf_counter() - t0
+        )
         self.loaded = len(graphs)
         return graphs
 

@@ -517,6 +517,9 @@ def run_rows(model: LoadedModel, job: Job, rows: Iterable[dict] | None, manifest
                     "says where", counts["graph_breaks"])  # fmt: skip
     if model.device.type == "cuda":
         counts["peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated(model.device) / 2**30
+        # what the allocator held at most (allocated + its cache): the margin the KV pool's sizing left
+        counts["peak_gpu_reserved_gib"] = torch.cuda.max_memory_reserved(model.device) / 2**30
+        counts["gpu_memory_gib"] = torch.cuda.get_device_properties(model.device).total_memory / 2**30
     step = getattr(engine, "decode_step", None)
     if step is not None:  # CUDA graphs of the decode step: how many shapes were captured, or why they are off
         counts = counts | {"decode_graphs_captured": step.captures, "decode_graphs_failed": step.failed}

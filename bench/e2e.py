@@ -212,6 +212,12 @@ def main() -> None:
                         shutil.copy(f, keep)
                 s, m = r["summary"], r["run"]
                 peaks = [c["peak_gpu_memory_gib"] for c in m["counts"] if "peak_gpu_memory_gib" in c]
+                for c in m[
+                    "counts"
+                ]:  # the KV pool's margin: what the allocator held at most, of the GPU's memory
+                    if "peak_gpu_reserved_gib" in c:
+                        print(f"{label}: peak {c['peak_gpu_memory_gib']:.1f} GiB allocated, "
+                              f"{c['peak_gpu_reserved_gib']:.1f} reserved, of {c['gpu_memory_gib']:.1f}")  # fmt: skip
                 flops = sum(request_flops(from_preset(a.preset), x["num_tiles"], len(x["prompt_token_ids"]),
                                           len(x["output_token_ids"])) for x in r["rows"])  # fmt: skip
                 table.append(dict(run=label, req_s=s["request_throughput"], out_tok_s=s["output_token_throughput"],
