@@ -16,6 +16,7 @@ from batchvl.model import compile_helpers
 from batchvl.model.build import prepare_llm, vision_encoder
 from batchvl.model.compile_helpers import ColdStart, Helpers, compile_part
 from batchvl.model.loader import random_model
+from batchvl.model.memory import MIN_PREFILL_TOKENS, memory_plan
 from batchvl.precompile import COUNTS
 
 
@@ -89,9 +90,11 @@ def test_helpers_run_in_their_own_processes_and_a_failed_one_costs_only_time(tmp
 
 def test_a_cold_start_runs_helpers_and_a_warmed_one_does_not(monkeypatch, tmp_path) -> None:
     """Helpers start on CUDA where this machine has no marker for the model and settings; after a warm-up the
-    marker says its graphs are saved. None on a CPU, eager, under tensor parallelism, or for other settings' marker."""
-    started = []
+    marker says its graphs are saved. None on a CPU, eager, under tensor parallelism, with another settings' marker,
+    or where they would not fit in the GPU's memory beside the model."""
+    started, free = [], [1 << 40]
     monkeypatch.setattr(compile_helpers, "platform_key", lambda device: "gpu-key")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free[0], 1 << 40))
     monkeypatch.setattr(compile_helpers, "Helpers", lambda spec, parts: started.append(parts) or "helpers")
     cuda, cfg = torch.device("cuda:0"), _cfg()
 
@@ -109,3 +112,11 @@ def test_a_cold_start_runs_helpers_and_a_warmed_one_does_not(monkeypatch, tmp_pa
     for none in (cold(other, torch.device("cpu")), cold(replace(other, eager=True)), cold(other, tp=2)):
         assert none.helpers is None
     assert len(started) == 2
+    # where the model's smallest working set and the helpers do not both fit, the start compiles after the load
+    plan = memory_plan(cfg, torch.bfloat16, "none", MIN_PREFILL_TOKENS, other.max_vit_tiles)
+    model = plan.weights + plan.activations + MIN_PREFILL_TOKENS * plan.kv_per_token
+    helpers = compile_helpers.helpers_bytes(cfg, torch.bfloat16, "none", other, 3)
+    free[0] = model + helpers - 1
+    assert cold(other).helpers is None
+    free[0] = model + helpers
+    assert cold(other).helpers == "helpers" and len(started) == 3

@@ -36,6 +36,39 @@ log = logging.getLogger(__name__)
 # a layer's graph is called with the next layer's norm: two layers make the calls a job makes
 STAND_IN_LAYERS = 2
 HELPER_TIMEOUT_S = 600.0  # a helper still compiling then is killed: the warm-up compiles what it left
+HELPER_CONTEXT_BYTES = 1 << 30  # a helper's CUDA context and allocator slack
+WARM_PREFILL_TOKENS = 2048  # at least the warm-up's largest dummy admission
+
+
+def helpers_bytes(
+    cfg: InternVLConfig, dtype: torch.dtype, quantization: str, settings: EngineSpec, n: int
+) -> int:
+    """What n helpers hold at most on the GPU: each its stand-in's weights and its CUDA context; one a ViT call at
+    max_vit_tiles, one a warm-up prefill."""
+    from batchvl.model.memory import activation_bytes, memory_plan
+
+    stand_in = with_layers(cfg, STAND_IN_LAYERS)
+    weights = memory_plan(stand_in, dtype, quantization, WARM_PREFILL_TOKENS, settings.max_vit_tiles).weights
+    vit = activation_bytes(stand_in, dtype, 0, settings.max_vit_tiles, quantization)
+    prefill = activation_bytes(stand_in, dtype, WARM_PREFILL_TOKENS, 0, quantization)
+    return n * (weights + HELPER_CONTEXT_BYTES) + vit + prefill
+
+
+def _fit_beside_the_model(cfg: InternVLConfig, dtype: torch.dtype, quantization: str, settings: EngineSpec,
+                          device: torch.device, n: int) -> bool:  # fmt: skip
+    """Whether n helpers fit on the GPU beside the model's weights and its smallest working set (`check_fits`'s)."""
+    from batchvl.model.memory import MIN_PREFILL_TOKENS, memory_plan
+
+    budget = settings.max_prefill_tokens or MIN_PREFILL_TOKENS
+    full = memory_plan(cfg, dtype, quantization, budget, settings.max_vit_tiles)
+    need = full.weights + full.activations + budget * full.kv_per_token
+    helpers = helpers_bytes(cfg, dtype, quantization, settings, n)
+    free = torch.cuda.mem_get_info(device)[0]
+    if need + helpers > free:
+        log.info("compiling after the load: %.1f GiB free, the model needs %.1f and compile helpers %.1f",
+                 free / 2**30, need / 2**30, helpers / 2**30)  # fmt: skip
+        return False
+    return True
 
 
 def _spec(cfg: InternVLConfig, quantization: str, settings: EngineSpec, device: torch.device, dtype: torch.dtype,
@@ -98,7 +131,7 @@ class Helpers:
 
 class ColdStart:
     """One start's helpers: started where this machine has not saved the model's graphs (no marker), on CUDA, compiled,
-    without tensor parallelism (a rank's layers are shards). `wait()` once the weights are in (before the KV pool is
+    without tensor parallelism (a rank's layers are shards), where they fit in the GPU's memory beside the model. `wait()` once the weights are in (before the KV pool is
     sized from the free memory: helpers hold some), `kill()` if the start fails, `warmed()` after the warm-up."""
 
     def __init__(self, cfg: InternVLConfig, quantization: str, settings: EngineSpec, device: torch.device,
@@ -109,6 +142,7 @@ class ColdStart:
         self.spec = _spec(cfg, quantization, settings, device, dtype, max_seq_len)
         self.marker = marker(self.spec) if self.compiled else None
         cold = self.compiled and tp == 1 and not self.marker.exists()
+        cold = cold and _fit_beside_the_model(cfg, dtype, quantization, settings, device, len(WARM_PARTS))
         self.helpers = Helpers(self.spec, WARM_PARTS) if cold else None
         self.waited_s = 0.0  # seconds the start waited for helpers after its weights were in
 
