@@ -1,5 +1,6 @@
-"""Compile helpers: a 2-layer stand-in compiles the graphs a cold start needs, in processes of their own, and the
-full model loads them (batchvl/model/compile_helpers.py)."""
+"""What a start does beside the weight load: compile helpers (a 2-layer stand-in compiles the graphs a cold start
+needs, in processes of their own, and the full model loads them: batchvl/model/compile_helpers.py), and the GPU
+libraries' set-up (`build.warm_libraries`)."""
 
 from __future__ import annotations
 
@@ -120,3 +121,16 @@ def test_a_cold_start_runs_helpers_and_a_warmed_one_does_not(monkeypatch, tmp_pa
     assert cold(other).helpers is None
     free[0] = model + helpers
     assert cold(other).helpers == "helpers" and len(started) == 3
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen2", "tiny-6b-style"])
+def test_gpu_libraries_are_set_up_with_the_models_own_calls(monkeypatch, caplog, preset) -> None:
+    """`warm_libraries` runs the ViT's attention (SDPA, or the 300M's kernel where it has a config) and the LLM's
+    per-sequence attention at the model's head shapes without an error (here on a CPU, in fp32: the same calls
+    a GPU start makes beside its load, but flash varlen, which has no CPU kernel)."""
+    from batchvl.model import build
+
+    monkeypatch.setattr("batchvl.ops.prefill_attention.packed_kernel", lambda d, t, h, lengths, a: "cudnn")
+    with caplog.at_level(logging.INFO, logger="batchvl.model.build"):
+        build.warm_libraries(from_preset(preset), torch.device("cpu"), torch.float32)
+    assert [r.getMessage() for r in caplog.records][-1].startswith("GPU libraries set up beside the load")

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -16,7 +18,7 @@ import torch
 from torch._dynamo.decorators import mark_unbacked
 
 from batchvl import dist
-from batchvl.config import from_preset, graph_key, load_config
+from batchvl.config import InternVLConfig, from_preset, graph_key, load_config
 from batchvl.encoder.internvit_compiled import CompiledEncoder
 from batchvl.encoder.split_overlap import DPVisionEncoder, TPVisionEncoder, choose_vit_mode
 from batchvl.job import EngineSpec, ModelSpec
@@ -93,14 +95,70 @@ def build_model(
         hooks["prepare"] = lambda model: fns.update(s=shard_llm(model.llm, ctx.tp_rank, ctx.tp, ctx.tp_group))
         hooks["shard"] = lambda name, t: fns["s"](name, t)
     q = spec.quantization
+    # the GPU libraries' one-time set-up, beside the load (their calls release the GIL) instead of in the warm-up
+    libs = None
+    if device.type == "cuda" and not settings.eager:
+        cfg = load_config(spec.path) if spec.path else from_preset(spec.preset)
+        libs = threading.Thread(
+            target=warm_libraries, args=(cfg, device, dtype), name="warm-libraries", daemon=True
+        )
+        libs.start()
     if spec.path:
         model, _ = load_model(spec.path, device, dtype, spec.trust_remote_code, quantization=q, **hooks)
     else:
         model, _ = random_model(spec.preset, device, dtype, seed=spec.seed, quantization=q, **hooks)
+    if libs is not None:
+        libs.join()
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the load's transient copies go back: the KV pool is sized from what is free
     prepare_llm(model.llm, not settings.eager and device.type == "cuda", settings.cache_dir)
     return model, vision_encoder(model, settings, ctx)
+
+
+def warm_libraries(cfg: InternVLConfig, device: torch.device, dtype: torch.dtype) -> None:
+    """Call, on small random inputs, what the warm-up's first calls would set up for the first time in this process:
+    cuBLAS, cuBLASLt's GELU epilogue (the ViT's fc1), cuDNN attention at the ViT's and the LLM's head shapes (cuDNN
+    compiles per head configuration), flash varlen with its log-sum-exp. A failure here only logs: the warm-up pays
+    the cost instead."""
+    from batchvl.encoder.internvit_compiled import SDPA_BACKEND
+    from batchvl.ops.prefill_attention import _varlen, causal_attn_per_seq, packed_kernel
+    from batchvl.ops.sdpa import sdpa_context
+    from batchvl.ops.vit_attention import kernel_config, vit_attention, vit_attention_sdpa
+
+    t0 = time.perf_counter()
+    try:
+        with torch.inference_mode():
+            g = torch.Generator(device).manual_seed(0)
+
+            def rand(*shape: int) -> torch.Tensor:
+                return torch.randn(*shape, device=device, dtype=dtype, generator=g)
+
+            a = rand(64, 64)
+            torch._addmm_activation(rand(64), a, a, use_gelu=True)
+            v = cfg.vision
+            T, H = v.num_patches + 1, v.num_heads
+            qkv = rand(2 * T, 3 * v.hidden_size)
+            w = torch.ones(v.hidden_size, device=device, dtype=dtype) if v.qk_normalization else None
+            args = (qkv, T, H, v.head_dim**-0.5, w, w, v.layer_norm_eps)
+            if kernel_config(qkv, T, H) is not None:  # the 300M's Triton attention
+                vit_attention(*args)
+            else:  # SDPA (the 6B's head_dim)
+                with sdpa_context(SDPA_BACKEND, device):
+                    vit_attention_sdpa(*args)
+            c, n = cfg.llm, 128
+            q, k, kv = (rand(n, h, c.head_dim) for h in (c.num_heads, c.num_kv_heads, c.num_kv_heads))
+            cu = torch.tensor([0, n], dtype=torch.int32)
+            if packed_kernel(device, dtype, c.head_dim, [1 << 20], True) == "cudnn":  # long rows
+                causal_attn_per_seq(q, k, kv, cu, "cudnn")
+            if packed_kernel(device, dtype, c.head_dim, [1], True) == "varlen":  # short rows, the cascade
+                _varlen(q, k, kv, cu.to(device), cu.to(device), n, n, lse=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+    except Exception as e:  # noqa: BLE001 - a start-up optimization, never a failed job
+        why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        log.info("setting up GPU libraries beside the load failed (%s); the warm-up does it", why)
+        return
+    log.info("GPU libraries set up beside the load in %.2f s", time.perf_counter() - t0)
 
 
 def check_quantization(spec: ModelSpec, device: torch.device, tp: int) -> None:
