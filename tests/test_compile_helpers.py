@@ -91,8 +91,8 @@ def test_helpers_run_in_their_own_processes_and_a_failed_one_costs_only_time(tmp
 
 def test_a_cold_start_runs_helpers_and_a_warmed_one_does_not(monkeypatch, tmp_path) -> None:
     """Helpers start on CUDA where this machine has no marker for the model and settings; after a warm-up the
-    marker says its graphs are saved. None on a CPU, eager, under tensor parallelism, with another settings' marker,
-    or where they would not fit in the GPU's memory beside the model."""
+    marker says its graphs are saved, for any settings that compile the same graphs. None on a CPU, eager, under
+    tensor parallelism, or where they would not fit in the GPU's memory beside the model."""
     started, free = [], [1 << 40]
     monkeypatch.setattr(compile_helpers, "platform_key", lambda device: "gpu-key")
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free[0], 1 << 40))
@@ -108,8 +108,11 @@ def test_a_cold_start_runs_helpers_and_a_warmed_one_does_not(monkeypatch, tmp_pa
     first.helpers = None
     first.warmed()
     assert cold(settings).helpers is None  # the marker
-    assert cold(replace(settings, prefix_cache=True)).helpers == "helpers"  # other settings: other graphs
-    other = replace(settings, max_vit_tiles=8)  # no marker for these
+    assert (
+        cold(replace(settings, prefix_cache=True, max_prefill_tokens=4096)).helpers is None
+    )  # the same graphs
+    assert cold(replace(settings, max_vit_tiles=16)).helpers == "helpers"  # graphs for another size
+    other = replace(settings, max_vit_tiles=8)  # no marker for this size
     for none in (cold(other, torch.device("cpu")), cold(replace(other, eager=True)), cold(other, tp=2)):
         assert none.helpers is None
     assert len(started) == 2

@@ -77,9 +77,15 @@ def _spec(cfg: InternVLConfig, quantization: str, settings: EngineSpec, device: 
             "device": str(device), "dtype": str(dtype).removeprefix("torch."), "max_seq_len": max_seq_len}  # fmt: skip
 
 
+# the engine settings that change which graphs a warm-up compiles (the prefix cache does not: its batches share the
+# prefill graphs), or the sizes they are compiled for
+GRAPH_SETTINGS = ("vit_fp8", "max_vit_tiles")
+
+
 def marker(spec: dict) -> Path:
-    """The file that says a warm-up of this model and these engine settings ran here: its graphs are saved."""
-    key = hashlib.blake2b(json.dumps(spec, sort_keys=True).encode(), digest_size=8).hexdigest()
+    """The file that says a warm-up of this model ran here with these graph settings: its graphs are saved."""
+    what = {k: v for k, v in spec.items() if k != "engine"} | {k: spec["engine"][k] for k in GRAPH_SETTINGS}
+    key = hashlib.blake2b(json.dumps(what, sort_keys=True).encode(), digest_size=8).hexdigest()
     root = Path(spec["engine"]["cache_dir"]).expanduser() / "precompiled"
     return root / platform_key(torch.device(spec["device"])) / f"warmed-{key}"
 
