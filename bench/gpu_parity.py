@@ -32,11 +32,12 @@ from batchvl.config import from_preset  # noqa: E402
 from batchvl.data import iter_rows  # noqa: E402
 from batchvl.encoder.fp8 import fp8_vit  # noqa: E402
 from batchvl.encoder.internvit_compiled import CompiledEncoder  # noqa: E402
-from batchvl.engine import Engine, Request, Sampling, packed_meta  # noqa: E402
+from batchvl.engine import WARM_PARTS, Engine, Request, Sampling, packed_meta  # noqa: E402
 from batchvl.job import EngineSpec, load_job  # noqa: E402
 from batchvl.llm.decode_step import decode_forward  # noqa: E402
 from batchvl.llm.decoder import LLM_LINEARS, fp8_llm  # noqa: E402
 from batchvl.llm.kv_cache import blocks_for  # noqa: E402
+from batchvl.model import compile_helpers  # noqa: E402
 from batchvl.model.build import prepare_llm  # noqa: E402
 from batchvl.model.loader import random_model  # noqa: E402
 from batchvl.ops.decode_attention import BLOCK, decode_attention, decode_attention_reference  # noqa: E402
@@ -302,6 +303,40 @@ def cascade_checks(c, dev, smoke: bool) -> list[tuple[str, float]]:
     return checks
 
 
+def helper_checks(
+    preset: str, fast, compiled, compiled_vit, cfg, dev, reqs: list[Request]
+) -> list[tuple[str, str, float]]:
+    """A cold start's compile helpers (processes with a 2-layer stand-in, as the runner starts them) compile every
+    warm-up part's graphs; this model's warm-up and prefills then load them and compile none, and give the logits of
+    the same model compiled here."""
+    settings = EngineSpec(prefix_cache=True)
+    with tempfile.TemporaryDirectory() as cache:
+        settings.cache_dir = cache
+        spec = compile_helpers._spec(cfg, "none", settings, dev, torch.bfloat16, 4096)
+        compile_helpers.Helpers(spec, WARM_PARTS).wait()
+        loaded, compiled_n = COUNTS["loaded"], COUNTS["compiled"]
+        m = copy.deepcopy(fast)
+        prepare_llm(m.llm, compile=True, cache_dir=cache)
+        vit = CompiledEncoder(m.vision, settings.max_vit_tiles, cache)
+        eng = engine(m, cfg, settings, dev, torch.bfloat16, vit)
+        eng.warm_up()
+        got = [eng.prefill_logits(reqs) for _ in range(2)]  # the second after the cached prefix
+        n, new = COUNTS["loaded"] - loaded, COUNTS["compiled"] - compiled_n
+    ref = engine(compiled, cfg, replace(settings, cache_dir=None), dev, torch.bfloat16, compiled_vit)
+    want = [ref.prefill_logits(reqs) for _ in range(2)]
+    del m, vit, eng, ref
+    label = f"[helpers] graphs compiled at the warm-up and prefills, after the helpers' ({n} in all loaded)"
+    return [
+        (preset, label, float(new) if n else float("nan")),  # nothing loaded: fails
+        (
+            preset,
+            "[helpers] last-token logits, the helpers' graphs vs compiled here (both bf16)",
+            rel(got[0], want[0]),
+        ),
+        (preset, "[helpers] the same, after a cached prefix", rel(got[1], want[1])),
+    ]
+
+
 def main() -> int:
     smoke = "--smoke" in sys.argv  # CPU, a tiny preset: checks the script, not the numbers
     args = [a for a in sys.argv[1:] if a not in ("--smoke", "--fp8")]
@@ -411,6 +446,8 @@ def main() -> int:
                 rows.append(
                     (preset, f"last-token logits, {name}, prefix cache bf16 vs fp32", rel(lg, full32))
                 )
+            if dev.type == "cuda":  # (a CPU compiles the LLM only where the tests patch its attention in)
+                rows += helper_checks(preset, fast, compiled, compiled_vit, cfg, dev, preqs)
             if cfg.llm.arch == "qwen2":
                 hf = hf_sharing_weights(fast, cfg)
                 seq = preqs[0].input_ids[None].to(dev)
@@ -479,11 +516,14 @@ def main() -> int:
         rows += [(preset, *r) for r in cascade_checks(c, dev, smoke)]
     # bf16 limit: 1e-2, or for the LLM rows 1.25x transformers' own bf16 error on the same weights and inputs
     # (random weights make the LLM's bf16 error larger than trained weights do; both are printed); [loaded] rows: 0
-    # (the same compiled code), and on the GPU some graph loaded
+    # (the same compiled code), and on the GPU some graph loaded; [helpers] rows: no graph compiled after the helpers'
+    # (some loaded), their logits within 1e-2 of the same model's compiled here (other compiles, other autotuning)
     print("| model | check | value | limit |\n|---|---|---|---|")
     for m, c, v in rows:
         lim = max(1e-2, 1.25 * hf_errs.get(m, 0.0)) if ("LLM" in c or "logits" in c) else 1e-2
         held = "vs fp32" in c
+        if c.startswith("[helpers]"):
+            held, lim = True, 0.0 if "graphs compiled" in c else 1e-2
         if c.startswith("[loaded]"):
             held, lim = True, 0.0
             if "(0 in all)" in c and not smoke:
