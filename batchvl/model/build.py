@@ -81,8 +81,8 @@ def build_model(
         use_compile_cache(settings.cache_dir)
     tp = ctx.tp if ctx is not None else 1
     check_quantization(spec, device, tp)
+    cfg = load_config(spec.path) if spec.path else from_preset(spec.preset)
     if device.type == "cuda":  # refuse what cannot fit before loading anything
-        cfg = load_config(spec.path) if spec.path else from_preset(spec.preset)
         budget = settings.max_prefill_tokens or MIN_PREFILL_TOKENS
         plan = memory_plan(cfg, dtype, spec.quantization, budget, settings.max_vit_tiles, tp)
         what = f"{spec.path or spec.preset} ({str(dtype).removeprefix('torch.')}, quantization {spec.quantization})"
@@ -98,7 +98,6 @@ def build_model(
     # the GPU libraries' one-time set-up, beside the load (their calls release the GIL) instead of in the warm-up
     libs = None
     if device.type == "cuda" and not settings.eager:
-        cfg = load_config(spec.path) if spec.path else from_preset(spec.preset)
         libs = threading.Thread(
             target=warm_libraries, args=(cfg, device, dtype), name="warm-libraries", daemon=True
         )
