@@ -104,8 +104,11 @@ class Helpers:
             out = tempfile.TemporaryFile()
             cmd = [sys.executable, "-m", __name__, part, str(os.getpid())]
             p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, env=env)
-            p.stdin.write(json.dumps(spec).encode())
-            p.stdin.close()
+            try:
+                p.stdin.write(json.dumps(spec).encode())
+                p.stdin.close()
+            except BrokenPipeError:  # it died at once: `wait` reports it
+                pass
             self.procs[part] = (p, out)
 
     def wait(self) -> float:
