@@ -140,20 +140,27 @@ class Helpers:
 
 class ColdStart:
     """One start's helpers: started where this machine has not saved the model's graphs (no marker), on CUDA, compiled,
-    without tensor parallelism (a rank's layers are shards), where they fit in the GPU's memory beside the model. `wait()` once the weights are in (before the KV pool is
-    sized from the free memory: helpers hold some), `kill()` if the start fails, `warmed()` after the warm-up."""
+    without tensor parallelism (a rank's layers are shards), where they fit in the GPU's memory beside the model.
+    `wait()` once the weights are in (before the KV pool is sized from the free memory: helpers hold some), `kill()`
+    if the start fails, `warmed()` after the warm-up."""
 
     def __init__(self, cfg: InternVLConfig, quantization: str, settings: EngineSpec, device: torch.device,
                  dtype: torch.dtype, max_seq_len: int, tp: int = 1) -> None:  # fmt: skip
         from batchvl.engine import WARM_PARTS
 
-        self.compiled = device.type == "cuda" and not settings.eager
-        self.spec = _spec(cfg, quantization, settings, device, dtype, max_seq_len)
-        self.marker = marker(self.spec) if self.compiled else None
-        cold = self.compiled and tp == 1 and not self.marker.exists()
-        cold = cold and _fit_beside_the_model(cfg, dtype, quantization, settings, device, len(WARM_PARTS))
-        self.helpers = Helpers(self.spec, WARM_PARTS) if cold else None
         self.waited_s = 0.0  # seconds the start waited for helpers after its weights were in
+        self.marker, self.helpers = None, None
+        if device.type != "cuda" or settings.eager:
+            return
+        try:  # helpers are an optimization: whatever fails here, the start goes on without them
+            spec = _spec(cfg, quantization, settings, device, dtype, max_seq_len)
+            self.marker = marker(spec)
+            if tp > 1 or self.marker.exists():
+                return
+            if _fit_beside_the_model(cfg, dtype, quantization, settings, device, len(WARM_PARTS)):
+                self.helpers = Helpers(spec, WARM_PARTS)
+        except Exception as e:  # noqa: BLE001
+            log.warning("compile helpers not started (%s: %s); the warm-up compiles", type(e).__name__, e)
 
     def wait(self) -> None:
         if self.helpers is not None:
