@@ -124,6 +124,9 @@ def test_a_cold_start_runs_helpers_and_a_warmed_one_does_not(monkeypatch, tmp_pa
     assert cold(other).helpers is None
     free[0] = model + helpers
     assert cold(other).helpers == "helpers" and len(started) == 3
+    # helpers are an optimization: a failure deciding or starting them leaves the start without them
+    monkeypatch.setattr(compile_helpers, "platform_key", lambda device: 1 / 0)
+    assert cold(replace(other, max_vit_tiles=2)).helpers is None and len(started) == 3
 
 
 @pytest.mark.parametrize("preset", ["tiny-qwen2", "tiny-6b-style"])
