@@ -31,6 +31,7 @@ from batchvl.ops.prefill_attention import unbacked_batch_dims
 from batchvl.precompile import Precompiled
 
 log = logging.getLogger(__name__)
+LIBRARIES_TIMEOUT_S = 120.0  # a set-up beside the load that takes longer is not waited for
 TP_VIT_MICRO_BATCHES = (
     2  # a tensor-parallel ViT overlaps one micro-batch's all-reduce with the other's compute
 )
@@ -107,7 +108,9 @@ def build_model(
     else:
         model, _ = random_model(spec.preset, device, dtype, seed=spec.seed, quantization=q, **hooks)
     if libs is not None:
-        libs.join()
+        libs.join(timeout=LIBRARIES_TIMEOUT_S)
+        if libs.is_alive():
+            log.warning("the GPU libraries' set-up still runs after %.0f s; going on", LIBRARIES_TIMEOUT_S)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the load's transient copies go back: the KV pool is sized from what is free
     prepare_llm(model.llm, not settings.eager and device.type == "cuda", settings.cache_dir)
