@@ -33,7 +33,8 @@ from batchvl.job import EngineSpec
 from batchvl.precompile import platform_key
 
 log = logging.getLogger(__name__)
-# a layer's graph is called with the next layer's norm: two layers make the calls a job makes
+# two layers make the calls a job makes: the LLM's layer graph and its last layer's; the ViT's layer with the next's
+# norm (with 1 layer the LLM's layer graph is never called: tests/test_compile_helpers.py fails)
 STAND_IN_LAYERS = 2
 HELPER_TIMEOUT_S = 600.0  # a helper still compiling then is killed: the warm-up compiles what it left
 HELPER_CONTEXT_BYTES = 1 << 30  # a helper's CUDA context and allocator slack
