@@ -250,6 +250,30 @@ def test_decode_graphs_are_captured_before_any_row_is_prepared(tmp_path, monkeyp
     assert run["counts"][0]["warm_up_parts_s"] == {"vit": 1.5, "decode_graphs": 0.5}
 
 
+def test_waiting_for_compile_helpers_is_start_up_not_load(tmp_path):
+    """A cold start's wait for its compile helpers (after the weights were in) is reported as the warm-up's first
+    part and counted in its seconds, not in the load's; the start then marks its graphs saved."""
+    import time
+    from types import SimpleNamespace
+
+    marked: list[bool] = []
+
+    class Cold(FakeEngine):
+        def __init__(self):
+            super().__init__()
+            time.sleep(0.4)  # the load, 0.3 s of it waiting for helpers
+            self.cold_start = SimpleNamespace(waited_s=0.3, warmed=lambda: marked.append(True))
+
+        def warm_up(self):
+            return {"vit": 0.1}
+
+    job = _small_job(tmp_path)
+    run_job(job, engine_factory=lambda *a, **k: Cold())
+    (run,) = read_manifest(job.output.dir)["runs"]
+    assert list(run["counts"][0]["warm_up_parts_s"].items()) == [("compile_helpers", 0.3), ("vit", 0.1)]
+    assert run["warm_up_s"] >= 0.3 and run["load_s"] < 0.35 and marked == [True]
+
+
 def test_cli_errors_name_the_key_and_exit_nonzero(tmp_path):
     r = CliRunner().invoke(main, ["jobs/demo.yaml", "--set", "data.fromat=jsonl"])
     assert r.exit_code == 1 and "job.data.fromat: unknown key (did you mean 'format'?)" in r.output
