@@ -515,7 +515,7 @@ class Engine:
     def warm_up(self) -> dict[str, float]:
         """Compile and capture now, before rows flow (and before preprocessing threads run), what a job would
         otherwise compile on its clock: the ViT's one set of graphs, each prefill variant of the compiled decoder
-        layers and the decode graph of every row bucket. Seconds per part (nothing to do when eager). CUDA only: on a
+        layers and the decode graph of the largest row bucket. Seconds per part (nothing to do when eager). CUDA only: on a
         CPU, compiling all this up front costs more than a job's rows (the compiles happen as rows need them)."""
         if self.device.type != "cuda":
             return {}
@@ -531,12 +531,10 @@ class Engine:
         elif part == "prefill" and self.model.llm.compiled_last is not None:
             self._warm_prefill()
         elif part == "decode_graphs" and self.decode_step.graphs:
-            R = self.max_rows
-            while R >= 8:  # the largest first: the graphs share one memory pool
-                # token 0 at position 0 into block 0 (scratch)
-                z = torch.zeros(R, dtype=torch.long, device=self.device)
-                self.decode_step(z, z.clone(), self.tables[:R], self.pool)
-                R //= 2
+            # the largest bucket only: its memory pool then serves the smaller ones, captured when a job first needs
+            # them (most jobs decode in one bucket); token 0 at position 0 into block 0 (scratch)
+            z = torch.zeros(self.max_rows, dtype=torch.long, device=self.device)
+            self.decode_step(z, z.clone(), self.tables[: self.max_rows], self.pool)
         else:
             return None
         return self._synced_since(t)

@@ -1,5 +1,6 @@
 """CUDA only (run on the GPU machine): decode graphs are captured safely while another thread pins host memory, as
-the preprocessing pipeline's helper thread does for every batch of tiles."""
+the preprocessing pipeline's helper thread does for every batch of tiles: the largest at the warm-up, the others when
+a job's steps first need them (while rows flow)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,11 @@ def test_capture_while_another_thread_pins_memory():
     try:
         for _ in range(3):
             eng.decode_step.clear()  # capture every bucket again, each time under the other thread's pinning
-            eng.warm_up()
+            eng.warm_up()  # the largest bucket
+            assert eng.decode_step.failed is None and eng.decode_step.captures == 1, eng.decode_step.failed
+            for rows in (256, 128, 64, 32, 16, 8):  # the others, as a job's steps first need them
+                z = torch.zeros(rows, dtype=torch.long, device="cuda")
+                eng.decode_step(z, z.clone(), eng.tables[:rows], eng.pool)
             assert eng.decode_step.failed is None and eng.decode_step.captures == 7, eng.decode_step.failed
     finally:
         stop.set()
