@@ -556,12 +556,13 @@ GRAPH_COUNTS = (
 
 
 def startup(run: dict) -> dict:
-    """A run's start-up seconds (model ready, decode graphs, the ViT's compiles during the job) and the mean number
-    of sequences each decode step carried."""
+    """A run's start-up seconds (model ready, decode graphs, the ViT's compiles and decode captures during the job)
+    and the mean number of sequences each decode step carried."""
     counts = run.get("counts") or []
     steps = sum(c.get("decode_steps", 0) for c in counts)
     out = {"load_s": run.get("load_s"), "warm_up_s": run.get("warm_up_s", 0.0),
-           "vit_compile_s": max((c.get("vit_compile_s", 0.0) for c in counts), default=0.0)}  # fmt: skip
+           "vit_compile_s": max((c.get("vit_compile_s", 0.0) for c in counts), default=0.0),
+           "decode_capture_s": max((c.get("decode_capture_s", 0.0) for c in counts), default=0.0)}  # fmt: skip
     if steps:
         out["mean_active_rows"] = sum(c.get("decode_rows", 0) for c in counts) / steps
     for k in GRAPH_COUNTS:
@@ -631,6 +632,7 @@ _LAYOUT: dict[str | None, list[tuple[str, str]]] = {
         ("load_s", "Model load (s, last run):"),
         ("warm_up_s", "Warm-up (s, last run):"),
         ("vit_compile_s", "ViT compile during the job (s):"),
+        ("decode_capture_s", "Decode graphs captured during the job (s):"),
         ("precompiled_loaded", "Graphs loaded precompiled (all ranks):"),
         ("compile_cache_hits", "Compiled graphs from the cache (all ranks):"),
         ("compile_cache_misses", "Compiled graphs compiled anew (all ranks):"),

@@ -447,6 +447,8 @@ def run_rows(model: LoadedModel, job: Job, rows: Iterable[dict] | None, manifest
     counters_before = dict(getattr(engine, "counters", {}))
     vit_stats = getattr(getattr(engine, "encode_fn", None), "stats", None)
     vit_before = vit_stats.total_compile_s if vit_stats is not None else 0.0
+    step = getattr(engine, "decode_step", None)
+    capture_before = getattr(step, "capture_s", 0.0)
     prep, load_s, warm_s = model.start_run()
     t0, loop, beat = None, None, None
     stop_event = stop.event if stop is not None else None
@@ -520,9 +522,10 @@ def run_rows(model: LoadedModel, job: Job, rows: Iterable[dict] | None, manifest
         # what the allocator held at most (allocated + its cache): the margin the KV pool's sizing left
         counts["peak_gpu_reserved_gib"] = torch.cuda.max_memory_reserved(model.device) / 2**30
         counts["gpu_memory_gib"] = torch.cuda.get_device_properties(model.device).total_memory / 2**30
-    step = getattr(engine, "decode_step", None)
     if step is not None:  # CUDA graphs of the decode step: how many shapes were captured, or why they are off
         counts = counts | {"decode_graphs_captured": step.captures, "decode_graphs_failed": step.failed}
+        # buckets the warm-up left to the first steps that needed them: start-up work on the job's clock
+        counts["decode_capture_s"] = getattr(step, "capture_s", 0.0) - capture_before
     try:
         beat.finish()
         all_counts, all_parts = zip(*dist.all_gather_object(ctx, (counts, parts)), strict=True)

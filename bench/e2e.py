@@ -223,7 +223,7 @@ def main() -> None:
                 table.append(dict(run=label, req_s=s["request_throughput"], out_tok_s=s["output_token_throughput"],
                                   secs=m["duration_s"], load_s=m["load_s"], ttft_ms=s["mean_ttft_ms"],
                                   tflops=flops / m["duration_s"] / 1e12, peak_gib=max(peaks, default=None),
-                                  startup_s=s.get("warm_up_s", 0.0) + s.get("vit_compile_s", 0.0),
+                                  startup_s=s.get("warm_up_s", 0.0) + s.get("vit_compile_s", 0.0) + s.get("decode_capture_s", 0.0),
                                   startup_parts=m["counts"][0].get("warm_up_parts_s", {}) if m["counts"] else {},
                                   graphs=(s.get("precompiled_loaded"), s.get("dynamo_graphs"), s.get("graph_breaks")),
                                   active=s.get("mean_active_rows")))  # fmt: skip
@@ -243,7 +243,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, {gpu}; runner: {'; '.join(commits)}")
     print(f"MFU: every row's full model FLOPs (work the caches skip included) / duration / {ceiling:.0f} TFLOP/s "
           "(8192^3 bf16 matmul timed in this run)" if ceiling else "MFU: n/a on CPU")  # fmt: skip
-    print("start-up s: the summary's warm-up + ViT compiles during the job (rank 0's warm-up: [waiting for compile "
+    print("start-up s: the summary's warm-up + ViT compiles and decode captures during the job (rank 0's warm-up: [waiting for compile "
           "helpers /] vit / prefill / decode graphs); graphs: loaded precompiled / traced by Dynamo / "
           "graph breaks; "
           "active: mean rows per decode step")  # fmt: skip

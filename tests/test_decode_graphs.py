@@ -35,10 +35,12 @@ def test_capture_while_another_thread_pins_memory():
             eng.decode_step.clear()  # capture every bucket again, each time under the other thread's pinning
             eng.warm_up()  # the largest bucket
             assert eng.decode_step.failed is None and eng.decode_step.captures == 1, eng.decode_step.failed
+            warm_s = eng.decode_step.capture_s
             for rows in (256, 128, 64, 32, 16, 8):  # the others, as a job's steps first need them
                 z = torch.zeros(rows, dtype=torch.long, device="cuda")
                 eng.decode_step(z, z.clone(), eng.tables[:rows], eng.pool)
             assert eng.decode_step.failed is None and eng.decode_step.captures == 7, eng.decode_step.failed
+            assert eng.decode_step.capture_s > warm_s > 0  # each capture's seconds counted
     finally:
         stop.set()
         t.join()

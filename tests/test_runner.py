@@ -121,6 +121,7 @@ def test_torchrun_two_replicas_match_one_process(demo_run, tmp_path):
     assert man["world_size"] == 2 and man["replicas"] == 2
     assert sum(c["rows"] for c in man["runs"][0]["counts"]) == 8
     assert man["runs"][0]["counts"][0]["decode_graphs_captured"] == 0  # CPU: no CUDA graphs
+    assert man["runs"][0]["counts"][0]["decode_capture_s"] == 0.0
 
 
 @pytest.mark.slow

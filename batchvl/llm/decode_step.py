@@ -9,6 +9,7 @@ rows alone, padded up to a bucket (`row_bucket`).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -61,6 +62,7 @@ class DecodeStep:
         self.cache: dict[int, _Graph] = {}
         self.mempool = None  # one memory pool for every graph: only one replays at a time
         self.failed: str | None = None  # why capturing failed, if it did (then `graphs` is off)
+        self.capture_s = 0.0  # seconds spent capturing (the warm-up's and a job's first steps of each bucket)
 
     @property
     def captures(self) -> int:
@@ -79,8 +81,11 @@ class DecodeStep:
             return decode_forward(self.llm, tok, pos, table, pool)
         g = self.cache.get(tok.shape[0])
         if g is None:
+            t0 = time.perf_counter()
             try:
                 g = self.cache[tok.shape[0]] = self._capture(tok, pos, table, pool)
+                torch.cuda.synchronize(tok.device)
+                self.capture_s += time.perf_counter() - t0
             except Exception as e:  # noqa: BLE001 - a job should slow down, not fail: decode eagerly from now on
                 log.warning("CUDA graph capture of the decode step failed (%s: %s); decoding eagerly from now on",
                             type(e).__name__, e)  # fmt: skip
