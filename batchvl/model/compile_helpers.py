@@ -128,6 +128,10 @@ class Helpers:
                 tail = "\n".join(text.splitlines()[-20:])
                 log.warning("compile helper for %s failed (exit %s); the warm-up compiles what it left:\n%s",
                             part, rc, tail)  # fmt: skip
+            else:  # what it compiled and when it finished, for the start-up's log
+                for line in text.splitlines():
+                    if "ahead of time" in line or "part done" in line:
+                        log.info("helper %s: %s", part, line.split(": ", 1)[-1])
         log.info("compile helpers (%s) done %.1f s after they started; waited %.1f s", ", ".join(self.procs),
                  time.perf_counter() - self.t0, time.perf_counter() - t)  # fmt: skip
         return time.perf_counter() - t
@@ -212,9 +216,11 @@ def compile_part(spec: dict, part: str) -> Any:
 def main() -> None:
     from batchvl.pipeline import die_with_parent
 
+    t0 = time.perf_counter()
     die_with_parent(int(sys.argv[2]))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s compile helper %(name)s: %(message)s")
     compile_part(json.loads(sys.stdin.read()), sys.argv[1])
+    log.info("part done in %.1f s (after its imports)", time.perf_counter() - t0)
 
 
 if __name__ == "__main__":
