@@ -198,7 +198,7 @@ def compile_part(spec: dict, part: str) -> Any:
 
     settings = EngineSpec(**spec["engine"])
     device, dtype = torch.device(spec["device"]), getattr(torch, spec["dtype"])
-    if device.type == "cuda":
+    if device.type == "cuda" and device.index is not None:  # a bare "cuda" is the current device already
         torch.cuda.set_device(device)
     use_compile_cache(settings.cache_dir)
     cfg = with_layers(config_from_dict(spec["config"]), STAND_IN_LAYERS)
