@@ -156,19 +156,16 @@ def prefill_sdpa(q, k, v, meta: AttnMeta, k_cache=None, v_cache=None) -> torch.T
 
 
 def _varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool = True, lse: bool = False):
-    """Flash varlen, causal aligned bottom-right, GQA by the kernel where it can; with `lse`, (out, lse [H, Tq]
-    float32)."""
+    """Flash varlen, causal aligned bottom-right, GQA by the kernel (keys never repeated); with `lse`, (out,
+    lse [H, Tq] float32)."""
     # causal as a window, in torch 2.11 and 2.13 alike (2.11 has no is_causal)
     kw = {"window_size": (-1, 0) if causal else (-1, -1)}
     if lse:
         from torch.nn.attention.varlen import AuxRequest
 
         kw["return_aux"] = AuxRequest(lse=True)
-    if "enable_gqa" in _VARLEN_PARAMS:
+    if "enable_gqa" in _VARLEN_PARAMS:  # torch >= 2.13 asks; 2.11's kernel takes fewer key heads as they are
         kw["enable_gqa"] = True
-    elif q.shape[1] != k.shape[1]:
-        rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     out = _VARLEN(q, k, v, cu_q, cu_k, max_q, max_k, **kw)
     # lse: [heads, tokens], as torch's fake gives it (its docstring says [tokens, heads])
     if lse and tuple(out[1].shape) != (q.shape[1], q.shape[0]):
