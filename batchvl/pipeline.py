@@ -464,7 +464,7 @@ class RowLoop:
                     self._top_up(source, prep, wait=f.lockstep or (not eng.active and not self.ready))
                 except Stopped:
                     continue
-                if not self.ready and not eng.active:
+                if not self.ready and not eng.active and not len(prep):
                     break  # every row is done
                 if (
                     self.evicted
@@ -519,8 +519,9 @@ class RowLoop:
         waiting for one (in lockstep: for all of them). Error rows are set aside until the rows before them are
         written."""
         most = self._most()
-        while len(self.ready) < most and len(self.deferred) < self.flow.prefetch:
-            self._feed(source, prep)
+        while len(self.ready) < most:
+            if len(self.deferred) < self.flow.prefetch:  # else no new rows: the rows in the preparer free them
+                self._feed(source, prep)
             if not len(prep) or not (wait or prep.head_ready()):
                 return
             item = prep.pop(self.stop)

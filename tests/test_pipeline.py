@@ -409,6 +409,39 @@ def test_rows_whose_image_the_engine_holds_send_no_tiles(bad_rows_jsonl, tokeniz
     assert len(seen) == 16 and len(prepared) > 16  # rows that lost their image were prepared again
 
 
+def _one_image_row(prompt, image, cached=()):
+    """A worker's row: text only, or one tile of the image "K" (none when the engine holds it)."""
+    if image is None:
+        return Prepared([1, 2, 3, len(prompt)], None, 0, 0, 4, None)
+    tiles = None if "K" in cached else torch.zeros(1, 4, 4, 3, dtype=torch.uint8)
+    return Prepared([1, 2, 3, len(prompt)], tiles, 1, 0, 4, "K", (("K", 1),))
+
+
+def test_error_rows_waiting_behind_a_row_prepared_again_lose_no_row():
+    """A row prepared again (its image left the engine's cache) holds back the error rows behind it; with `prefetch`
+    of them waiting, the loop still takes that row back from the preparer and every row is written. (It once stopped
+    taking rows, found nothing ready and the engine idle, and ended as if the job were done, 10 rows unwritten.)"""
+
+    class Forgetful(FakeEngine):
+        def cached_images(self):
+            return frozenset({"K"})
+
+        def needs_vit(self, r):  # the image the row was prepared without has been evicted since
+            return r.pixel_values is not None or bool(r.images)
+
+    def row(i, own=None, image=None, error=None):
+        return SourceRow(i, f"r{i}", "p", image=image, error=error, generation=own)
+
+    rows = [row(0), row(1, {"max_new_tokens": 40}, image="x")] + [row(i, error="bad") for i in (2, 3, 4)]
+    rows += [row(5, {"max_new_tokens": 30}), row(6, {"max_new_tokens": 20}), row(7, {"max_new_tokens": 10})]
+    rows += [row(i, error="bad") for i in range(8, 12)]
+    written: list[dict] = []
+    flow = Flow(Forgetful(rows=1), _one_image_row, str, Sampling(max_new_tokens=50), workers=1, prefetch=4)
+    counts = RowLoop(flow, written.append, t0=0.0).run(rows)
+    assert sorted(int(r["id"][1:]) for r in written) == list(range(12))
+    assert counts["rows"] == 12 and not counts.get("interrupted")
+
+
 @pytest.mark.slow
 def test_workers_prepare_the_next_batch_while_the_engine_prefills():
     """Rows are handed to the workers before a batch's prefill, not after it: while a long prefill runs they prepare
