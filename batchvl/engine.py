@@ -228,10 +228,29 @@ class Engine:
         digest = r.input_ids[:p].numpy().tobytes() + (r.image_key or "").encode()
         return hashlib.blake2b(digest, digest_size=16).hexdigest(), full
 
+    def prefix_hit(self, r: Request) -> str | None:
+        """The key of the cached prefix r would read, or None."""
+        key, _ = self._prefix(r)
+        return key if key in self.prefix_cache else None
+
     def cached_tokens(self, r: Request) -> int:
         """Prompt tokens a prefix-cache hit would spare."""
-        key, full = self._prefix(r)
-        return full if key in self.prefix_cache else 0
+        return self._prefix(r)[1] if self.prefix_hit(r) else 0
+
+    def spare_prefix_blocks(self) -> dict[str, int]:
+        """Blocks of each cached prefix that no sequence reads now: admission takes them back when the pool is
+        short (oldest first), so they count as free."""
+        refs = self.pool.refs
+        return {k: len(b) for k, (b, _) in self.prefix_cache.items() if all(refs[x] == 1 for x in b)}
+
+    def _make_room(self, need: int, keep: set[str]) -> None:
+        """Give back the blocks of the least recently used prefixes that only the cache holds, none in `keep`,
+        until `need` blocks are free."""
+        for key in self.spare_prefix_blocks():
+            if self.pool.free >= need:
+                return
+            if key not in keep:
+                self.pool.release(self.prefix_cache.pop(key)[0])
 
     def needs_vit(self, r: Request) -> bool:
         """Whether admitting r runs its tiles through the ViT (not when either cache has what it needs)."""
@@ -316,7 +335,9 @@ class Engine:
         """Prefill `requests` into the pool and sample their first tokens; returns those already finished. Raises
         (taking nothing from the pool) when they do not fit or the model fails. logits_out: gets the last-token logits
         [B, V] (for parity checks)."""
-        if len(requests) > self.free_rows() or sum(map(self.blocks_needed, requests)) > self.pool.free:
+        need = sum(map(self.blocks_needed, requests))
+        self._make_room(need, keep={k for k in map(self.prefix_hit, requests) if k})
+        if len(requests) > self.free_rows() or need > self.pool.free:
             raise MemoryError(f"{len(requests)} requests do not fit in the engine's free rows and KV blocks")
         dev = self.device
         prefixes = [self._prefix(r) for r in requests]

@@ -520,7 +520,9 @@ class RowLoop:
         written."""
         most = self._most()
         while len(self.ready) < most:
-            if len(self.deferred) < self.flow.prefetch:  # else no new rows: the rows in the preparer free them
+            if (
+                len(self.deferred) < self.flow.prefetch
+            ):  # else no new rows: the rows in the preparer free them
                 self._feed(source, prep)
             if not len(prep) or not (wait or prep.head_ready()):
                 return

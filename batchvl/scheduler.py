@@ -3,7 +3,8 @@
 A batch takes rows in arrival order while
 - its prompt tokens not served by the prefix cache stay within `max_prefill_tokens`,
 - its tiles that need the ViT (each distinct image once) stay within `max_vit_tiles`,
-- the engine has a free row and the KV blocks for each (prompt and every new token, less shared prefix blocks).
+- the engine has a free row and the KV blocks for each (prompt and every new token, less shared prefix blocks;
+  blocks that only cached prefixes no row of the batch reads hold count as free).
 A single row over a budget runs alone. Rows that do not fit wait for sequences in flight to retire.
 
 Rows reach admission longest `max_new_tokens` first (`longest_first`): a row retires at its own length, so rows
@@ -24,9 +25,11 @@ def next_batch(ready: deque, engine: Any, max_tokens: int, max_tiles: int) -> li
     batch: list = []
     tokens = tiles = blocks = 0
     images: set[str] = set()
-    rows, free = engine.free_rows(), engine.pool.free
+    spare = engine.spare_prefix_blocks()  # blocks only the prefix cache holds: admission takes them back
+    rows, free = engine.free_rows(), engine.pool.free + sum(spare.values())
     for it in ready:
         r = it.request
+        free -= spare.pop(engine.prefix_hit(r), 0)  # a prefix a row reads stays
         n = r.input_ids.shape[0] - engine.cached_tokens(r)
         units = r.image_units() if engine.needs_vit(r) else []
         own = {key or f"#{id(r)}.{j}": count for j, (key, _, count) in enumerate(units)}  # image -> its tiles

@@ -166,6 +166,12 @@ class FakeEngine:
     def cached_tokens(self, r) -> int:
         return 0
 
+    def prefix_hit(self, r) -> None:
+        return None
+
+    def spare_prefix_blocks(self) -> dict[str, int]:
+        return {}
+
     def needs_vit(self, r) -> bool:
         return r.pixel_values is not None
 

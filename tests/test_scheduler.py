@@ -162,6 +162,34 @@ def test_admission_counts_only_uncached_work_and_free_room():
     assert next_batch(items, small, 10**6, 10**6) == [] and len(items) == 1
 
 
+def test_blocks_only_cached_prefixes_hold_go_back_when_rows_need_them():
+    """A cached prefix that no row reads counts as free: rows that need its blocks are admitted and the oldest such
+    prefix goes; one a row of the batch reads stays. (The cache once kept its blocks until it had 64 prefixes, and
+    the loop failed a row that fit the pool as bigger than the pool.)"""
+    model, cfg = _model()
+    q = _questions(5, 9, 3, 4)
+    reqs = [_request(s, qq) for s, qq in zip([1, 2, 3, 2], q, strict=True)]  # 5 blocks each, 4 of them prefix
+    want = [reference_greedy(model, r) for r in reqs]
+    eng = Engine(model, cfg, EngineSpec(prefix_cache=True), max_seq_len=1024, pool_blocks=12)
+    assert [eng.generate([r])[0].output_ids for r in reqs[:2]] == want[:2]
+    old, kept = eng.prefix_cache
+    assert eng.pool.free == 3 and eng.spare_prefix_blocks() == {old: 4, kept: 4}
+    ready = deque(SimpleNamespace(request=r) for r in reqs[2:])
+    # 5 + 1 blocks (the last row reads the second prefix): 3 free and the first prefix's 4
+    batch = next_batch(ready, eng, 10**6, 10**6)
+    assert len(batch) == 2
+    for i, it in enumerate(batch):
+        it.request.handle = i
+    done = eng.admit([it.request for it in batch])
+    assert old not in eng.prefix_cache and kept in eng.prefix_cache and len(eng.prefix_cache) == 2
+    while eng.active:
+        done += eng.step()
+    assert [f.output_ids for f in sorted(done, key=lambda f: f.handle)] == want[2:]
+    assert [f.cached_prefix_tokens for f in sorted(done, key=lambda f: f.handle)] == [0, 256]
+    eng.drop_caches()
+    assert eng.pool.free == eng.pool.num_blocks - 1
+
+
 def test_admit_that_does_not_fit_takes_nothing():
     model, cfg = _model()
     eng = Engine(model, cfg, max_seq_len=2048, pool_blocks=4)
