@@ -520,9 +520,8 @@ class RowLoop:
         written."""
         most = self._most()
         while len(self.ready) < most:
-            if (
-                len(self.deferred) < self.flow.prefetch
-            ):  # else no new rows: the rows in the preparer free them
+            # error rows waiting behind the rows in the preparer: no new rows until those are written
+            if len(self.deferred) < self.flow.prefetch:
                 self._feed(source, prep)
             if not len(prep) or not (wait or prep.head_ready()):
                 return
