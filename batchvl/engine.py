@@ -265,6 +265,14 @@ class Engine:
         """Keys of the images whose features the image cache holds: rows with only these need not send tiles."""
         return frozenset(self.image_cache) if self.settings.image_cache else frozenset()
 
+    def check_positions(self, r: Request) -> None:
+        """ValueError when r would reach a position the LLM's RoPE does not serve (see `check_position`): that row
+        alone fails, at admission, not every row in flight at the step that reaches it."""
+        n, m = r.input_ids.shape[0], r.sampling.max_new_tokens
+        top = self.model.llm.rotary.max_pos
+        if top is not None and n + m - 2 >= top:  # the last new token is never fed back
+            raise ValueError(f"prompt ({n} tokens) + max_new_tokens ({m}) pass max_position_embeddings={top}")
+
     def blocks_needed(self, r: Request) -> int:
         """Pool blocks r takes for its prompt and all its new tokens, less the prefix blocks it would share."""
         total = blocks_for(r.input_ids.shape[0] + r.sampling.max_new_tokens)
@@ -335,6 +343,8 @@ class Engine:
         """Prefill `requests` into the pool and sample their first tokens; returns those already finished. Raises
         (taking nothing from the pool) when they do not fit or the model fails. logits_out: gets the last-token logits
         [B, V] (for parity checks)."""
+        for r in requests:
+            self.check_positions(r)
         need = sum(map(self.blocks_needed, requests))
         self._make_room(need, keep={k for k in map(self.prefix_hit, requests) if k})
         if len(requests) > self.free_rows() or need > self.pool.free:

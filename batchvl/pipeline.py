@@ -579,7 +579,9 @@ class RowLoop:
         ids = torch.tensor(p.input_ids, dtype=torch.int64)
         sampling = self._sampling(it.row.generation)
         seed = row_seed(sampling.seed, it.row.id)
-        return Request(ids, p.pixel_values, p.image_key, sampling, handle=it, images=p.images, seed=seed)
+        r = Request(ids, p.pixel_values, p.image_key, sampling, handle=it, images=p.images, seed=seed)
+        self.flow.engine.check_positions(r)
+        return r
 
     def _sampling(self, own: dict | None) -> Sampling:
         """The job's sampling with the row's own settings; ValueError (the row's error) for a bad value."""

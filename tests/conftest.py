@@ -166,6 +166,9 @@ class FakeEngine:
     def cached_tokens(self, r) -> int:
         return 0
 
+    def check_positions(self, r) -> None:
+        pass
+
     def prefix_hit(self, r) -> None:
         return None
 

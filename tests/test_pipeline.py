@@ -254,7 +254,7 @@ def test_a_rows_own_generation_settings(tokenizer, tmp_path):
     rows = [SourceRow(i, str(i), "hello there", generation=g) for i, g in enumerate([
         None, {"max_new_tokens": 1}, {"max_new_tokens": 5}, {"max_new_tokens": 6}, {"max_new_tokens": 0},
         {"max_new_tokens": 2.0}, {"temperature": -1}, {"temperature": "hot"}, {"stop": ["<|im_end|>", 7]},
-        {"stop": "not one token"}, {"max_new_tokens": True},
+        {"stop": "not one token"}, {"max_new_tokens": True}, {"max_new_tokens": 4},
     ])]  # fmt: skip
     seen = {}
 
@@ -262,6 +262,10 @@ def test_a_rows_own_generation_settings(tokenizer, tmp_path):
         def admit(self, requests):
             seen.update({r.handle.row.id: r.sampling for r in requests})
             return super().admit(requests)
+
+        def check_positions(self, r):  # as a RoPE limit at prompt + 4 new tokens would
+            if r.sampling.max_new_tokens == 4:
+                raise ValueError("prompt + max_new_tokens (4) pass max_position_embeddings")
 
     written: list[dict] = []
     flow = Flow(Spy(), Preprocessor(PCFG), str, Sampling(max_new_tokens=5, stop_token_ids=(3,)),
@@ -275,7 +279,7 @@ def test_a_rows_own_generation_settings(tokenizer, tmp_path):
         "5": 2,
     }
     for k, why in (("3", "max_new_tokens"), ("4", "max_new_tokens"), ("6", "temperature"), ("7", "temperature"),
-                   ("9", "stop"), ("10", "max_new_tokens")):  # fmt: skip
+                   ("9", "stop"), ("10", "max_new_tokens"), ("11", "prompt + max_new_tokens")):  # fmt: skip
         err = by_id[k]["error"]
         assert err.startswith(why) and "output_token_ids" not in by_id[k], (k, err)
     assert seen["8"].stop_token_ids == (3, tokenizer.convert_tokens_to_ids("<|im_end|>"), 7)

@@ -190,6 +190,26 @@ def test_blocks_only_cached_prefixes_hold_go_back_when_rows_need_them():
     assert eng.pool.free == eng.pool.num_blocks - 1
 
 
+def test_a_row_that_would_decode_past_the_rope_limit_is_refused_at_admission():
+    """Dynamic-NTK RoPE (InternLM2.5) serves positions below max_position_embeddings only: a row whose prompt and
+    max_new_tokens would reach one is refused at admission, taking nothing, and a row that ends on the last position
+    served runs. (Such a row was admitted, and the step that reached the limit failed every row in flight.)"""
+    model, cfg = _model()
+    model.llm.rotary.max_pos = (
+        200  # as rope_scaling {"type": "dynamic"} with max_position_embeddings=200 sets it
+    )
+    eng = Engine(model, cfg, max_seq_len=1024, pool_blocks=32)
+    prompt = torch.arange(100, 290)  # 190 tokens
+    fits = Request(
+        prompt, sampling=replace(GREEDY, max_new_tokens=11)
+    )  # its last token in is at position 199
+    past = Request(prompt, sampling=replace(GREEDY, max_new_tokens=12))
+    with pytest.raises(ValueError, match="max_position_embeddings=200"):
+        eng.admit([fits, past])
+    assert eng.active == 0 and eng.pool.free == eng.pool.num_blocks - 1
+    assert len(eng.generate([fits])[0].output_ids) == 11
+
+
 def test_admit_that_does_not_fit_takes_nothing():
     model, cfg = _model()
     eng = Engine(model, cfg, max_seq_len=2048, pool_blocks=4)
