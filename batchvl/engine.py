@@ -448,6 +448,8 @@ class Engine:
             return []
         t0 = time.perf_counter()
         top = max(s.row for s in live) + 1
+        if row_bucket(top) > row_bucket(len(live)):
+            top = self._compact(live)
         R = min(row_bucket(top), self.max_rows) if self.decode_step.graphs else top
         tok, pos = [0] * R, [0] * R  # rows without a sequence write block 0 (scratch)
         for s in live:
@@ -472,6 +474,22 @@ class Engine:
             if self._append(s, t):
                 done.append(self._retire(s, now))
         return done
+
+    def _compact(self, live: list[_Seq]) -> int:
+        """Move the sequences above row len(live) into the free rows below it, each with its block-table row (its KV
+        stays where it is), so that a step decodes as many rows as are live, not as the highest one's index; returns
+        len(live)."""
+        n = len(live)
+        free = [i for i in range(n) if self.rows[i] is None]
+        moved = [s for s in live if s.row >= n]  # as many as `free`
+        old = torch.tensor([s.row for s in moved], device=self.device)
+        new = torch.tensor(free, device=self.device)
+        self.tables[new] = self.tables[old]
+        self.tables[old] = 0  # a free row writes block 0 (scratch)
+        for s, row in zip(moved, free, strict=True):
+            self.rows[row], self.rows[s.row] = s, None
+            s.row = row
+        return n
 
     def abort(self) -> list[Any]:
         """Drop every sequence in flight (after a failed step); returns their handles."""

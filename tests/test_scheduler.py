@@ -87,6 +87,25 @@ def test_sequences_in_flight_equal_the_plain_greedy_loop():
     assert eng.pool.free == eng.pool.num_blocks - 1  # every block back (block 0 is scratch)
 
 
+def test_rows_left_in_high_rows_move_down_and_decode_in_a_smaller_bucket():
+    """When rows retire, the sequences left in the high rows move to the free low ones (block-table rows with them)
+    so a step decodes as many rows as are live: a tail of long rows decodes in the small bucket, tokens unchanged."""
+    model, cfg = _model()
+    q = _questions(*range(3, 15))
+    lengths = [2] * 9 + [7, 2, 5]  # rows 9 and 11 outlive the others
+    reqs = [_request(None, qq, replace(GREEDY, max_new_tokens=m)) for qq, m in zip(q, lengths, strict=True)]
+    want = [reference_greedy(model, r) for r in reqs]
+    eng = Engine(model, cfg, EngineSpec(), max_seq_len=1024, pool_blocks=64)
+    steps = []
+    decode = eng.decode_step
+    eng.decode_step = lambda tok, *a: steps.append(tok.shape[0]) or decode(tok, *a)
+    eng.decode_step.graphs = decode.graphs
+    got = eng.generate(reqs)
+    assert [f.output_ids for f in got] == want
+    assert steps == [12] + [2] * 3 + [1] * 2  # 12 live rows, then rows 9 and 11 in rows 0 and 1, then one
+    assert eng.pool.free == eng.pool.num_blocks - 1 and not eng.tables.any()
+
+
 def test_a_stop_token_ends_its_row_at_that_step():
     model, cfg = _model()
     r = _request(1, _questions(6)[0], replace(GREEDY, max_new_tokens=8))
