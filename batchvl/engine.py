@@ -90,6 +90,7 @@ class Finished:
     done_s: float  # ... and its last
     cache_hit_image: bool
     cached_prefix_tokens: int
+    finish_reason: str = "length"  # or "stop": it ended on EOS or a stop token (the last of output_ids)
 
 
 @dataclass
@@ -516,8 +517,9 @@ class Engine:
     def _retire(self, s: _Seq, now: float) -> Finished:
         self._free(s)
         t = s.timing
+        why = "stop" if s.out[-1] in s.stops else "length"
         return Finished(s.req.handle, s.out, t["vit_ms"], t["prefill_ms"], s.decode_ms, t["first_token_s"], now,
-                        t["hit"], t["cached"])  # fmt: skip
+                        t["hit"], t["cached"], why)  # fmt: skip
 
     def _free(self, s: _Seq) -> None:
         self.pool.release(s.blocks)

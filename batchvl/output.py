@@ -42,6 +42,7 @@ ROW_SCHEMA: pa.Schema = pa.schema(
         _f("num_text_tokens", pa.int32()),
         _f("output_token_ids", pa.list_(pa.int32())),
         _f("output_text", pa.string()),
+        _f("finish_reason", pa.string()),  # "stop" (EOS or a stop token) or "length" (its max_new_tokens)
         _f("error", pa.string()),
         _f("cache_hit_image", pa.bool_()),
         _f("cached_prefix_tokens", pa.int32()),

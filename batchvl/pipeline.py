@@ -333,6 +333,7 @@ def result_row(item: Item, t0: float, res: Any, text: str) -> dict:
         "batch_id": item.batch_id,
         "output_token_ids": out,
         "output_text": text,
+        "finish_reason": res.finish_reason,
         "cache_hit_image": bool(res.cache_hit_image),
         "cached_prefix_tokens": int(res.cached_prefix_tokens),
         "batch_wait_ms": _ms(item.t_prepared, item.t_batch),
@@ -668,7 +669,9 @@ class RowLoop:
         for res in finished:
             it = res.handle
             self.outstanding.discard(it.row.index)
-            self._emit(result_row(it, self.t0, res, self.flow.decode(res.output_ids)))
+            # as vLLM's text: without the stop token that ended it (output_token_ids keep it)
+            ids = res.output_ids[:-1] if res.finish_reason == "stop" else res.output_ids
+            self._emit(result_row(it, self.t0, res, self.flow.decode(ids)))
 
     def _fail(self, item: Item, why: str) -> None:
         log.warning("row %s failed: %s", item.row.id, why)

@@ -213,9 +213,13 @@ class FakeEngine:
     def _finished(self, now):
         from batchvl.engine import Finished
 
-        done = [x for x in self.live if len(x[1]) >= x[0].sampling.max_new_tokens]
-        self.live = [x for x in self.live if len(x[1]) < x[0].sampling.max_new_tokens]
-        return [Finished(r.handle, out, 1.0, 2.0, 3.0, first, now, False, 0) for r, out, first in done]
+        def stop(r, out):
+            return out[-1] in r.sampling.stop_token_ids
+
+        done = [x for x in self.live if len(x[1]) >= x[0].sampling.max_new_tokens or stop(x[0], x[1])]
+        self.live = [x for x in self.live if all(x is not d for d in done)]
+        return [Finished(r.handle, out, 1.0, 2.0, 3.0, first, now, False, 0, "stop" if stop(r, out) else "length")
+                for r, out, first in done]  # fmt: skip
 
 
 def assert_clock_order(r: dict) -> None:

@@ -286,6 +286,28 @@ def test_a_rows_own_generation_settings(tokenizer, tmp_path):
     assert seen["0"] == Sampling(max_new_tokens=5, stop_token_ids=(3,))
 
 
+def test_a_stop_token_ends_the_row_and_leaves_its_text():
+    """A row that ends on a stop token says so (`finish_reason`) and its text leaves that token out, as vLLM's does;
+    its token ids keep it. A row that runs to its max_new_tokens ends on "length"."""
+    first = sum(Preprocessor(PCFG)("hello there", None).input_ids) % 1000  # FakeEngine: first, first + 1, ...
+    rows = [
+        SourceRow(0, "stops", "hello there", generation={"stop": first + 2}),
+        SourceRow(1, "runs", "hello there"),
+    ]
+    written: list[dict] = []
+    flow = Flow(
+        FakeEngine(), Preprocessor(PCFG), lambda ids: " ".join(map(str, ids)), Sampling(max_new_tokens=5)
+    )
+    RowLoop(flow, written.append, t0=0.0).run(rows)
+    by_id = {r["id"]: r for r in written}
+    stops, runs = by_id["stops"], by_id["runs"]
+    assert stops["output_token_ids"] == [first, first + 1, first + 2] and stops["finish_reason"] == "stop"
+    assert stops["output_text"] == f"{first} {first + 1}"
+    assert runs["finish_reason"] == "length" and runs["output_text"].split() == list(
+        map(str, range(first, first + 5))
+    )
+
+
 @pytest.mark.slow
 def test_pinning_preparer_gives_the_same_tiles(bad_rows_jsonl, tokenizer, monkeypatch):
     """pin=True hands the tiles over page-locked (here: a CPU build, so pin_memory is replaced by a marked copy)

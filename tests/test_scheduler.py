@@ -113,8 +113,10 @@ def test_a_stop_token_ends_its_row_at_that_step():
     k = next(i for i in range(2, 8) if free_run[i] not in free_run[:i])  # a token first produced at step k
     eng = Engine(model, cfg, max_seq_len=1024, pool_blocks=32)
     stopped = replace(r, sampling=replace(r.sampling, stop_token_ids=(free_run[k],)))
-    assert eng.generate([stopped])[0].output_ids == free_run[: k + 1]
-    assert eng.generate([r])[0].output_ids == free_run
+    done = eng.generate([stopped])[0]
+    assert done.output_ids == free_run[: k + 1] and done.finish_reason == "stop"
+    done = eng.generate([r])[0]
+    assert done.output_ids == free_run and done.finish_reason == "length"
 
 
 def test_shared_prefix_blocks_are_read_by_several_rows_and_freed():
