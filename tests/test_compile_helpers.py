@@ -99,8 +99,8 @@ def test_a_cold_start_runs_helpers_and_a_warmed_one_does_not(monkeypatch, tmp_pa
     monkeypatch.setattr(compile_helpers, "Helpers", lambda spec, parts: started.append(parts) or "helpers")
     cuda, cfg = torch.device("cuda:0"), _cfg()
 
-    def cold(settings: EngineSpec, device=cuda, tp: int = 1) -> ColdStart:
-        return ColdStart(cfg, "none", settings, device, torch.bfloat16, 2048, tp)
+    def cold(settings: EngineSpec, device=cuda, tp: int = 1, max_seq_len: int = 2048) -> ColdStart:
+        return ColdStart(cfg, "none", settings, device, torch.bfloat16, max_seq_len, tp)
 
     settings = EngineSpec(cache_dir=str(tmp_path))
     first = cold(settings)
@@ -111,6 +111,7 @@ def test_a_cold_start_runs_helpers_and_a_warmed_one_does_not(monkeypatch, tmp_pa
     assert (
         cold(replace(settings, prefix_cache=True, max_prefill_tokens=4096)).helpers is None
     )  # the same graphs
+    assert cold(settings, max_seq_len=4096).helpers is None  # longer rows: the same graphs
     assert cold(replace(settings, max_vit_tiles=16)).helpers == "helpers"  # graphs for another size
     other = replace(settings, max_vit_tiles=8)  # no marker for this size
     for none in (cold(other, torch.device("cpu")), cold(replace(other, eager=True)), cold(other, tp=2)):
