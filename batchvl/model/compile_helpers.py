@@ -85,8 +85,7 @@ GRAPH_SETTINGS = ("vit_fp8", "max_vit_tiles")
 
 def marker(spec: dict) -> Path:
     """The file that says a warm-up of this model ran here with these graph settings: its graphs are saved."""
-    # the longest sequence is not in it: it sizes the block table, which no saved graph's guards read (a 512-token
-    # job loaded a 256-token job's graphs), and a graph that did refuse it would be compiled by the warm-up
+    # not the longest sequence: it sizes only the block table, and a graph that refused it would compile at warm-up
     what = {k: v for k, v in spec.items() if k not in ("engine", "max_seq_len")}
     what |= {k: spec["engine"][k] for k in GRAPH_SETTINGS}
     key = hashlib.blake2b(json.dumps(what, sort_keys=True).encode(), digest_size=8).hexdigest()
