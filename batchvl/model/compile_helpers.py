@@ -205,6 +205,8 @@ def compile_part(spec: dict, part: str) -> Any:
     use_compile_cache(settings.cache_dir)
     cfg = with_layers(config_from_dict(spec["config"]), STAND_IN_LAYERS)
     model, _ = random_model(cfg, device, dtype, quantization=spec["quantization"])
+    if device.type == "cuda":  # the draw's fp32 copies go back: `helpers_bytes` counts weights, not them
+        torch.cuda.empty_cache()
     # each part compiles its own graphs only: the others run eager here
     prepare_llm(model.llm, part != "vit", settings.cache_dir)
     encode = vision_encoder(model, settings) if part == "vit" else model.vision
@@ -221,8 +223,11 @@ def main() -> None:
     t0 = time.perf_counter()
     die_with_parent(int(sys.argv[2]))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s compile helper %(name)s: %(message)s")
-    compile_part(json.loads(sys.stdin.read()), sys.argv[1])
-    log.info("part done in %.1f s (after its imports)", time.perf_counter() - t0)
+    engine = compile_part(json.loads(sys.stdin.read()), sys.argv[1])
+    peak = torch.cuda.max_memory_reserved(engine.device) / 2**30 if engine.device.type == "cuda" else 0.0
+    log.info(
+        "part done in %.1f s (after its imports), %.1f GiB reserved at most", time.perf_counter() - t0, peak
+    )
 
 
 if __name__ == "__main__":

@@ -389,7 +389,8 @@ def init_random(
     for i, (name, p) in enumerate(model.named_parameters()):
         shape = full_shapes[name] if full_shapes else p.shape
         g = torch.Generator(device=p.device).manual_seed(seed * 1_000_003 + i)
-        t = torch.randn(shape, generator=g, device=p.device, dtype=torch.float32) * std
+        # scaled in place: one fp32 copy at a time, not two (a stand-in's embedding table: 2.9 GiB each)
+        t = torch.randn(shape, generator=g, device=p.device, dtype=torch.float32).mul_(std)
         if re.search(r"norm\d?\.weight$", name):
             t += 1.0
         elif name.endswith(("ls1", "ls2")):
