@@ -140,6 +140,13 @@ class Precompiled:
         return graphs
 
     def _compile(self, args: tuple) -> Any:
+        # a saved graph that refused inputs it was made for points at a guard that does not survive a restart (read
+        # before the marks, which the guards would refuse too)
+        refused = (
+            f"; the {self.loaded} loaded from disk refused these inputs: {self._refusal(args)}"
+            if self.loaded
+            else ""
+        )
         t0 = time.perf_counter()
         self._mark(args)
         try:
@@ -160,11 +167,18 @@ class Precompiled:
                 os.replace(f"{path}.tmp", path)
             except Exception as e:  # noqa: BLE001 - the graph still serves this process
                 self._give_up("save", e)
-        # a saved graph that refused inputs it was made for points at a guard that does not survive a restart
-        refused = f"; the {self.loaded} loaded from disk refused these inputs" if self.loaded else ""
         log.info("compiled %s ahead of time in %.1f s (graph %d%s)", self.fn.__qualname__, time.perf_counter() - t0,
                  len(self.graphs), refused)  # fmt: skip
         return g(*args)
+
+    def _refusal(self, args: tuple) -> str:
+        """The first failing guard of the first loaded graph (Dynamo's own words), for the log."""
+        try:
+            g = self.graphs[0]
+            info = g._artifacts.guard_manager.check_verbose(g.prepare_f_locals(*args))
+            return "; ".join(info.verbose_code_parts) or "no guard named"
+        except Exception as e:  # noqa: BLE001 - private API: a diagnostic only
+            return f"guards not readable: {type(e).__name__}"
 
     def _give_up(self, what: str, e: Exception) -> None:
         """Later starts use torch.compile (a marker in the folder): it traces at every start, but then a start does

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import statistics
 import sys
@@ -311,7 +312,9 @@ def helper_checks(
     warm-up part's graphs; this model's warm-up and prefills then load them and compile none, and give the logits of
     the same model compiled here."""
     settings = EngineSpec(prefix_cache=True)
-    with tempfile.TemporaryDirectory() as cache:
+    # built outside the caller's inference mode, as the runner builds its model: inference tensors (weights, KV pool)
+    # fail the helpers' saved guards on their dispatch keys, and every graph would compile again
+    with tempfile.TemporaryDirectory() as cache, torch.inference_mode(False):
         settings.cache_dir = cache
         spec = compile_helpers._spec(cfg, "none", settings, dev, torch.bfloat16, 4096)
         torch.cuda.empty_cache()  # room for the helpers beside this script's models (an 80 GB card)
@@ -341,6 +344,9 @@ def helper_checks(
 
 def main() -> int:
     smoke = "--smoke" in sys.argv  # CPU, a tiny preset: checks the script, not the numbers
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    # which graphs load, and why one compiles again
+    logging.getLogger("batchvl.precompile").setLevel(logging.INFO)
     args = [a for a in sys.argv[1:] if a not in ("--smoke", "--fp8")]
     if "--fp8" in sys.argv:
         return fp8_main(args[0] if args else "tiny-qwen2" if smoke else "internvl2_5-38b", smoke)

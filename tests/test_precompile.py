@@ -67,6 +67,23 @@ def test_graphs_are_saved_loaded_by_a_later_start_and_picked_by_their_guards(tmp
 
 
 @pytest.mark.slow
+def test_a_loaded_graph_that_refuses_its_inputs_is_logged_with_the_guard_that_failed(tmp_path, caplog) -> None:
+    """Weights made in inference mode (inference tensors) fail a saved graph's guards on their dispatch keys: the
+    start compiles again and says which guard refused (the way gpu_parity found its own harness's mistake)."""
+    lin, x = nn.Linear(8, 16).requires_grad_(False), torch.randn(3, 8)
+    _precompiled(str(tmp_path))(lin, torch.randn(3, 8))  # (a tensor of its own: the compile marks it)
+    with torch.inference_mode():
+        lin_inf = copy.deepcopy(lin)
+    c0 = _counts()
+    with caplog.at_level(logging.INFO, logger="batchvl.precompile"):
+        out = _precompiled(str(tmp_path))(lin_inf, x)
+    torch.testing.assert_close(out, scaled_relu(lin, x), **TIGHT)
+    assert _delta(c0) == (1, 1)
+    assert "the 1 loaded from disk refused these inputs: tensor" in caplog.text
+    assert "dispatch key set mismatch" in caplog.text
+
+
+@pytest.mark.slow
 def test_an_unloadable_graph_is_dropped_and_compiled_again(tmp_path, caplog) -> None:
     lin, x = nn.Linear(8, 16), torch.randn(3, 8)
     _precompiled(str(tmp_path))(lin, x)
