@@ -24,7 +24,7 @@ MAX_TRITON_WIDTH = 8192  # a row per program in registers: InternViT's widths ar
 
 if triton is not None:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["M"])  # rows (tiles x 1025) vary by batch: one compiled variant for all
     def _norm_kernel(
         X,
         SHIFT,

@@ -26,7 +26,9 @@ def merge_attn_reference_(o_a: Tensor, lse_a: Tensor, o_b: Tensor, lse_b: Tensor
 
 if triton is not None:
 
-    @triton.jit
+    # token counts and the lse strides (= tokens) are not specialized on (divisible by 16, or 1): a job's batches
+    # would each compile a variant on its clock, where the warm-up met only one
+    @triton.jit(do_not_specialize=["T", "s_la", "s_lb"])
     def _merge_kernel(
         OA, LA, OB, LB, T, s_oat, s_oah, s_la, s_obt, s_obh, s_lb, D: tl.constexpr, BT: tl.constexpr
     ):  # fmt: skip
