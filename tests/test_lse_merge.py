@@ -68,7 +68,9 @@ def test_the_kernel_compiles_once_for_every_token_count():
 
     g = torch.Generator(device="cuda").manual_seed(0)
     for t in (144, 605, 1, 16377):  # divisible by 16, odd, one, odd
-        o_a, o_b = (torch.randn(t, 8, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+        o_a, o_b = (
+            torch.randn(t, 8, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2)
+        )
         lse_a, lse_b = (torch.randn(8, t, device="cuda", generator=g) for _ in range(2))
         want = o_a.clone()
         merge_attn_reference_(want, lse_a, o_b, lse_b)

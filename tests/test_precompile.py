@@ -67,7 +67,9 @@ def test_graphs_are_saved_loaded_by_a_later_start_and_picked_by_their_guards(tmp
 
 
 @pytest.mark.slow
-def test_a_loaded_graph_that_refuses_its_inputs_is_logged_with_the_guard_that_failed(tmp_path, caplog) -> None:
+def test_a_loaded_graph_that_refuses_its_inputs_is_logged_with_the_guard_that_failed(
+    tmp_path, caplog
+) -> None:
     """Weights made in inference mode (inference tensors) fail a saved graph's guards on their dispatch keys: the
     start compiles again and says which guard refused (the way gpu_parity found its own harness's mistake)."""
     lin, x = nn.Linear(8, 16).requires_grad_(False), torch.randn(3, 8)

@@ -25,7 +25,6 @@ def merge_attn_reference_(o_a: Tensor, lse_a: Tensor, o_b: Tensor, lse_b: Tensor
 
 
 if triton is not None:
-
     # token counts and the lse strides (= tokens) are not specialized on (divisible by 16, or 1): a job's batches
     # would each compile a variant on its clock, where the warm-up met only one
     @triton.jit(do_not_specialize=["T", "s_la", "s_lb"])
