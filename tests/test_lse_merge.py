@@ -63,7 +63,7 @@ def test_kernel_in_the_interpreter() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (Triton compiles for a GPU only)")
 def test_the_kernel_compiles_once_for_every_token_count():
     """A job's prefill batches bring token counts of every residue mod 16; the warm-up meets one. Each specialized
-    variant would be compiled on the job's clock (session 28's cold run: a 4-row batch took 482 ms for 605 tokens)."""
+    variant would be compiled on the job's clock (bench/RESULTS.md, session 28)."""
     from batchvl.ops.lse_merge import _merge_kernel, merge_attn_
 
     g = torch.Generator(device="cuda").manual_seed(0)
