@@ -45,6 +45,7 @@ from batchvl.output import (
 )
 from batchvl.pipeline import Flow, Preparer, RowLoop, write_rows
 from batchvl.preprocess import PreprocessConfig, Preprocessor
+from batchvl.profiling import profiled
 from batchvl.report import report_cmd
 from batchvl.tokenizer import image_token_ids, load_tokenizer
 
@@ -462,9 +463,12 @@ def run_rows(model: LoadedModel, job: Job, rows: Iterable[dict] | None, manifest
         if stop is not None:
             stop.rows_flowing = True
         desc = "rows" if ctx.num_replicas == 1 else f"rows (replica 0 of {ctx.num_replicas})"
-        with tqdm(
-            total=shard_total, desc=desc, unit="row", disable=not ctx.is_main, dynamic_ncols=True
-        ) as bar:
+        with (
+            profiled(model.device, ctx.rank),
+            tqdm(
+                total=shard_total, desc=desc, unit="row", disable=not ctx.is_main, dynamic_ncols=True
+            ) as bar,
+        ):
             loop = RowLoop(model.flow, write_rows(writer, run_number), t0, bar, stop_event)
             written = loop.rows(iter_rows(job.data, ctx.replica, ctx.num_replicas, rows), done, prep)
             try:

@@ -383,3 +383,28 @@ def test_compile_cache_dir_copied_elsewhere_serves_a_fresh_process(tmp_path) -> 
         return {r["id"]: r["output_token_ids"] for r in read_rows(out).to_pylist()}
 
     assert tokens(tmp_path / "run2") == tokens(tmp_path / "run1")  # the loaded graphs compute what they saved
+
+
+def test_profile_dir_records_the_rows_ops_and_a_timeline(tmp_path, monkeypatch):
+    """BATCHVL_PROFILE_DIR profiles the job's rows: an op table led by the model's matmuls and a Chrome trace with the
+    same ops; unset, the run writes nothing there."""
+    import gzip
+
+    from batchvl.profiling import PROFILE_ENV
+
+    monkeypatch.setenv(PROFILE_ENV, str(tmp_path / "prof"))
+    summary = run_job(_small_job(tmp_path, "engine.eager=true"))
+    assert summary["successful_requests"] == 5
+    (folder,) = (tmp_path / "prof").iterdir()
+    assert folder.name.endswith("-rank0")
+    table = (folder / "ops.txt").read_text()
+    assert "aten::mm" in table or "aten::addmm" in table, table[:2000]
+    names = {
+        e.get("name")
+        for e in json.loads(gzip.decompress((folder / "trace.json.gz").read_bytes()))["traceEvents"]
+    }
+    assert {"aten::linear", "aten::scaled_dot_product_attention"} <= names
+    monkeypatch.delenv(PROFILE_ENV)
+    (tmp_path / "again").mkdir()
+    run_job(_small_job(tmp_path / "again", "engine.eager=true"))
+    assert len(list((tmp_path / "prof").iterdir())) == 1
