@@ -5,10 +5,8 @@ profiler slows the host side, so a profiled run's req/s is not the job's."""
 
 from __future__ import annotations
 
-import gzip
 import logging
 import os
-import shutil
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,17 +20,17 @@ log = logging.getLogger("batchvl.profiling")
 
 
 @contextmanager
-def profiled(device: torch.device, rank: int = 0) -> Iterator[Path | None]:
-    """Profile the block when PROFILE_ENV is set; yields the folder it writes (None when off)."""
+def profiled(device: torch.device, rank: int = 0) -> Iterator[None]:
+    """Profile the block when PROFILE_ENV is set."""
     root = os.environ.get(PROFILE_ENV)
     if not root:
-        yield None
+        yield
         return
     out = Path(root) / f"{time.strftime('%Y%m%d-%H%M%S')}-rank{rank}"
     out.mkdir(parents=True, exist_ok=True)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=acts) as prof:
-        yield out
+        yield
     write_profile(prof, out, device)
     log.info("profile of the rows written to %s", out)
 
@@ -42,8 +40,4 @@ def write_profile(prof: profile, out: Path, device: torch.device) -> None:
     key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=key, row_limit=80, max_name_column_width=90)
     (out / "ops.txt").write_text(table + "\n")
-    raw = out / "trace.json"
-    prof.export_chrome_trace(str(raw))
-    with raw.open("rb") as src, gzip.open(out / "trace.json.gz", "wb") as dst:
-        shutil.copyfileobj(src, dst)
-    raw.unlink()
+    prof.export_chrome_trace(str(out / "trace.json.gz"))  # torch gzips a .gz path
