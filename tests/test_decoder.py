@@ -82,53 +82,6 @@ def test_per_sequence_and_packed_attention_equal_reference():
             torch.testing.assert_close(_run(dec, seqs, backend="packed"), want, **TOL)
 
 
-def test_prefix_windows_cover_each_query_once_from_a_few_sizes():
-    """The cascade's cuDNN prefix part computes windows of a few sizes (one cuDNN plan each) and keeps every query
-    row of a group exactly once, from windows inside the query tensor; a short group borrows rows around it."""
-    from batchvl.ops.prefill_attention import prefix_windows
-
-    sizes = (16, 8, 4)
-    for total, start, end in [(40, 0, 40), (40, 0, 37), (40, 3, 5), (40, 38, 40), (5, 1, 4), (4, 0, 4),
-                              (100, 21, 99), (100, 0, 29)]:  # fmt: skip
-        kept = []
-        for first, size, lo, hi in prefix_windows(start, end, total, sizes):
-            assert size in sizes and 0 <= first and first + size <= total and 0 <= lo < hi <= size
-            kept += range(first + lo, first + hi)
-        assert kept == list(range(start, end)), (total, start, end)
-    assert [w[1] for w in prefix_windows(0, 29, 100, sizes)] == [16, 8, 4, 4]
-
-
-@pytest.mark.parametrize("leading", [True, False])
-def test_prefix_part_by_windows_equals_it_in_one_call(leading):
-    """`merge_prefix_windows` (the cuDNN path, here with the CPU's `attn_lse` as its kernel and small windows)
-    gives the cascade the one-call prefix part gives: groups longer and shorter than the smallest window, the
-    rows' own output a view of the op's output (prefixed rows leading) or a gathered copy."""
-    from batchvl.ops import prefill_attention as pa
-
-    g = torch.Generator().manual_seed(3)
-    h, hkv, d = 4, 2, 16
-    cu_q, cu_k = [0, 13, 15, 30], [0, 9, 20, 26]  # 3 groups of queries, each with its own prefix keys
-    qp = torch.randn(30, h, d, generator=g)
-    kp, vp = (torch.randn(26, hkv, d, generator=g) for _ in range(2))
-    o, lse = torch.randn(34, h, d, generator=g), torch.randn(h, 34, generator=g)  # the own part's
-    rows = torch.arange(30) if leading else torch.randperm(34, generator=g)[:30]
-    want, got = o.clone(), o.clone()
-    op, lse_p = pa.attn_lse(qp, kp, vp, cu_q, cu_k, causal=False)
-    own = want[rows]
-    pa.merge_attn_(own, lse[:, rows], op, lse_p)
-    want[rows] = own
-
-    def attend(q, k, v):
-        return pa.attn_lse(q, k, v, [0, q.shape[0]], [0, k.shape[0]], causal=False)
-
-    own = got[:30] if leading else got[rows]
-    pa.merge_prefix_windows(qp, kp, vp, cu_q, cu_k, own, lse[:, rows], attend, sizes=(8, 4))
-    if not leading:
-        got[rows] = own
-    torch.testing.assert_close(got, want, **TOL)
-    assert not pa.prefix_cudnn_ok(qp)  # off Hopper: the one-call path
-
-
 def test_prefill_backend_and_packed_kernel_are_chosen_in_one_place(monkeypatch):
     """The reference off CUDA or in fp32; on CUDA the packed op. Inside the op, per call: on Hopper in bf16 cuDNN
     per sequence for long sequences with all heads and no cached prefix; flash varlen otherwise."""
@@ -407,37 +360,3 @@ def test_padded_vocab_logits_equal_plain():
         assert w.data_ptr() == storage.data_ptr() and not storage[1001:].any()
         assert (dec.embed_tokens.weight is w) == tied
         torch.testing.assert_close(got, ref, **TOL)
-
-
-@pytest.mark.skipif(
-    not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
-    reason="needs a Hopper GPU (cuDNN's attention; the CPU test above holds the windows)",
-)
-def test_prefix_part_through_cudnn_equals_flash_varlen():
-    """On Hopper the cascade's prefix part runs through cuDNN by windows: in bf16 at the 38B's heads (40 / 8),
-    two groups (one shorter than the smallest window) and a 1788-key prefix, within 1e-2 of flash varlen's one call,
-    both against the fp32 math."""
-    from batchvl.ops import prefill_attention as pa
-
-    g = torch.Generator(device="cuda").manual_seed(0)
-    cu_q, cu_k = [0, 5000, 5300], [0, 1788, 2100]
-
-    def randn(*shape):
-        return torch.randn(*shape, device="cuda", generator=g)
-
-    qp, kp, vp = randn(5300, 40, 128), randn(2100, 8, 128), randn(2100, 8, 128)
-    o, lse = randn(5300, 40, 128), randn(40, 5300)
-    want = o.clone()
-    op, lse_p = pa.attn_lse(qp, kp, vp, cu_q, cu_k, causal=False)
-    pa.merge_attn_reference_(want, lse, op, lse_p)
-    b16 = [t.bfloat16() for t in (qp, kp, vp)]
-    assert pa.prefix_cudnn_ok(b16[0])
-    got = o.bfloat16()
-    pa.merge_prefix_windows(*b16, cu_q, cu_k, got, lse)
-    flash = o.bfloat16()
-    cuq, cuk = (torch.tensor(c, dtype=torch.int32, device="cuda") for c in (cu_q, cu_k))
-    op, lse_p = pa._varlen(*b16, cuq, cuk, 5000, 1788, causal=False, lse=True)
-    pa.merge_attn_(flash, lse, op, lse_p)
-    for x in (got, flash):
-        assert float((x.float() - want).norm() / want.norm()) <= 1e-2
-    assert float((got.float() - flash.float()).norm() / flash.float().norm()) <= 1e-2

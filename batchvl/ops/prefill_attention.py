@@ -212,65 +212,6 @@ def attn_lse(q, k, v, cu_q: list[int], cu_k: list[int], causal: bool) -> tuple[t
     return torch.cat(outs), torch.cat(lses, 1)
 
 
-# the cascade's prefix part on Hopper: cuDNN's attention (about 1.7x flash varlen's there), over query windows of
-# these sizes, since cuDNN builds a plan for every shape it meets (about 40 ms each)
-PREFIX_WINDOWS = (8192, 4096, 2048, 1024)
-
-
-def prefix_windows(start: int, end: int, total: int, sizes=PREFIX_WINDOWS) -> list[tuple[int, int, int, int]]:
-    """Windows over a query tensor of `total` rows covering rows [start, end) once: (first row, size, lo, hi), the
-    window's rows lo..hi-1 being the ones it adds. Largest sizes first; a remainder shorter than the smallest size
-    takes the smallest window that ends at `end` (a group shorter than that, one that holds it), reaching back over
-    rows already covered or other groups' rows (computed and dropped). Needs total >= min(sizes)."""
-    small = min(sizes)
-    if end - start < small:
-        first = min(start, total - small)
-        return [(first, small, start - first, end - first)]
-    out, pos = [], start
-    while end - pos >= small:
-        size = max(s for s in sizes if s <= end - pos)
-        out.append((pos, size, 0, size))
-        pos += size
-    if pos < end:
-        out.append((end - small, small, small - (end - pos), small))
-    return out
-
-
-def prefix_cudnn_ok(qp: torch.Tensor) -> bool:
-    """Whether the cascade's prefix part runs through cuDNN: Hopper, bf16 / fp16, head_dim 64 or 128 (cuDNN's
-    fastest), enough queries for the smallest window."""
-    return (
-        not __import__("os").environ.get("BATCHVL_EXPERIMENT_FA2_PREFIX")  # EXPERIMENT: goes once measured
-        and qp.is_cuda
-        and qp.dtype in (torch.float16, torch.bfloat16)
-        and qp.shape[-1] in (64, 128)
-        and qp.shape[0] >= min(PREFIX_WINDOWS)
-        and torch.backends.cudnn.is_available()
-        and torch.cuda.get_device_capability(qp.device)[0] == 9
-    )
-
-
-def _cudnn_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [W, H, D] against k / v [Tk, Hkv, D], no mask, GQA by cuDNN -> (out [W, H, D], lse [H, W] float32)."""
-    out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
-        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], None, True
-    )[:2]
-    return out[0].transpose(0, 1), lse[0, :, :, 0]  # lse [1, H, W, 1]
-
-
-def merge_prefix_windows(qp, kp, vp, cu_q: list[int], cu_k: list[int], own, lse_own, attend=_cudnn_lse,
-                         sizes=PREFIX_WINDOWS) -> None:  # fmt: skip
-    """The cascade's prefix part by windows (`prefix_windows`), each merged into the rows' own attention as it
-    comes: group g's queries qp[cu_q[g]:cu_q[g+1]] against kp / vp[cu_k[g]:cu_k[g+1]]; own [Tq, H, D] / lse_own
-    [H, Tq] (views of the own part's output) become attention over both key sets."""
-    for (qs, qe), (ks, ke) in zip(itertools.pairwise(cu_q), itertools.pairwise(cu_k), strict=True):
-        kg, vg = kp[ks:ke], vp[ks:ke]
-        for first, size, lo, hi in prefix_windows(qs, qe, qp.shape[0], sizes):
-            out, lse = attend(qp[first : first + size], kg, vg)
-            rows = slice(first + lo, first + hi)
-            merge_attn_(own[rows], lse_own[:, rows], out[lo:hi], lse[:, lo:hi])
-
-
 PER_SEQ_ROWS = 64  # causal_attn_per_seq computes each sequence over a window of a multiple of this many rows
 # "cudnn" only for batches whose sequences average this many tokens: each call costs host time
 PER_SEQ_MIN_MEAN = 1024
@@ -367,23 +308,17 @@ def causal_attn_packed(
     qp = q[:tq] if prefix_q.numel() == 0 else q[prefix_q]  # [Tq, H, D]
     if kernel == "varlen":
         o, lse = _varlen(q, k, v, cu_q, cu_q, max(lengths), max(lengths), lse=True)
+        max_q, max_k = (int(c.diff().max()) for c in (cu_prefix_q_host, cu_prefix_k_host))
+        op, lse_p = _varlen(qp, kp, vp, cu_prefix_q, cu_prefix_k, max_q, max_k, causal=False, lse=True)
     else:
         cu = cu_seqlens_host.tolist()
         o, lse = attn_lse(q, k, v, cu, cu, causal=True)
-    leading = prefix_q.numel() == 0
-    own, lse_own = (o[:tq], lse[:, :tq]) if leading else (o[prefix_q], lse[:, prefix_q])
-    if kernel == "varlen" and prefix_cudnn_ok(qp):
-        merge_prefix_windows(qp, kp, vp, cu_prefix_q_host.tolist(), cu_prefix_k_host.tolist(), own, lse_own)
+        op, lse_p = attn_lse(qp, kp, vp, cu_prefix_q_host.tolist(), cu_prefix_k_host.tolist(), causal=False)
+    if prefix_q.numel() == 0:
+        merge_attn_(o[:tq], lse[:, :tq], op, lse_p)
     else:
-        if kernel == "varlen":
-            max_q, max_k = (int(c.diff().max()) for c in (cu_prefix_q_host, cu_prefix_k_host))
-            op, lse_p = _varlen(qp, kp, vp, cu_prefix_q, cu_prefix_k, max_q, max_k, causal=False, lse=True)
-        else:
-            op, lse_p = attn_lse(
-                qp, kp, vp, cu_prefix_q_host.tolist(), cu_prefix_k_host.tolist(), causal=False
-            )
-        merge_attn_(own, lse_own, op, lse_p)
-    if not leading:
+        own = o[prefix_q]
+        merge_attn_(own, lse[:, prefix_q], op, lse_p)
         o[prefix_q] = own
     return o
 
