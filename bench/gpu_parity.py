@@ -334,7 +334,11 @@ def helper_checks(
     return [
         (preset, label, float(new) if n else float("nan")),  # nothing loaded: fails
         (preset, "[helpers] last-token logits, the helpers' graphs bf16 vs fp32", rel(got[0], full32)),
-        (preset, "[helpers] the same, after a cached prefix, bf16 vs fp32", rel(got[1], full32)),
+        (
+            preset,
+            "[helpers] last-token logits after a cached prefix, the helpers' graphs bf16 vs fp32",
+            rel(got[1], full32),
+        ),
         (
             preset,
             "(context) [helpers] last-token logits, the helpers' graphs vs compiled here (both bf16)",
