@@ -318,7 +318,7 @@ def helper_checks(
         settings.cache_dir = cache
         spec = compile_helpers._spec(cfg, "none", settings, dev, torch.bfloat16, 4096)
         torch.cuda.empty_cache()  # room for the helpers beside this script's models (an 80 GB card)
-        compile_helpers.Helpers(spec, WARM_PARTS).wait()
+        compile_helpers.Helpers(spec, compile_helpers.SPLIT_PARTS).wait()
         loaded, compiled_n = COUNTS["loaded"], COUNTS["compiled"]
         m = copy.deepcopy(fast)
         prepare_llm(m.llm, compile=True, cache_dir=cache)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from batchvl.config import from_preset
-from batchvl.engine import Engine, Request, Sampling
+from batchvl.engine import WARM_PARTS, Engine, Request, Sampling
 from batchvl.job import EngineSpec
 from batchvl.model import compile_helpers
 from batchvl.model.build import prepare_llm, vision_encoder
@@ -61,8 +61,10 @@ def test_a_two_layer_stand_in_compiles_the_graphs_the_full_model_loads(monkeypat
     a CPU: without CUDA graphs it compiles as rows need it.)"""
     monkeypatch.setattr("batchvl.engine.prefill_backend", lambda *a: "packed")
     settings = EngineSpec(cache_dir=str(tmp_path), prefix_cache=True, max_vit_tiles=4)
-    for part in ("vit", "prefill"):
+    for part, graphs in (("vit", 3), ("prefill_layers", 1), ("prefill_last", 1)):  # as split on a GPU
+        before = COUNTS["compiled"]
         compile_part(_spec(settings), part)
+        assert COUNTS["compiled"] - before == graphs, part  # each split part its own function's graph only
     loaded, compiled = COUNTS["loaded"], COUNTS["compiled"]
     cfg = _cfg()
     fast, eager = _engine(cfg, settings, compiled=True), _engine(cfg, settings, compiled=False)
@@ -104,7 +106,8 @@ def test_a_cold_start_runs_helpers_and_a_warmed_one_does_not(monkeypatch, tmp_pa
 
     settings = EngineSpec(cache_dir=str(tmp_path))
     first = cold(settings)
-    assert first.helpers == "helpers" and started == [("vit", "prefill", "decode_graphs")]
+    split = ("vit", "prefill_layers", "prefill_last", "decode_graphs")
+    assert first.helpers == "helpers" and started == [split]
     first.helpers = None
     first.warmed()
     assert cold(settings).helpers is None  # the marker
@@ -117,17 +120,24 @@ def test_a_cold_start_runs_helpers_and_a_warmed_one_does_not(monkeypatch, tmp_pa
     for none in (cold(other, torch.device("cpu")), cold(replace(other, eager=True)), cold(other, tp=2)):
         assert none.helpers is None
     assert len(started) == 2
-    # where the model's smallest working set and the helpers do not both fit, the start compiles after the load
+    # where the model's smallest working set and the split helpers do not both fit, one helper per warm-up part;
+    # where those do not either, the start compiles after the load
     plan = memory_plan(cfg, torch.bfloat16, "none", MIN_PREFILL_TOKENS, other.max_vit_tiles)
     model = plan.weights + plan.activations + MIN_PREFILL_TOKENS * plan.kv_per_token
-    helpers = compile_helpers.helpers_bytes(cfg, torch.bfloat16, "none", other, 3)
-    free[0] = model + helpers - 1
+    helpers = {
+        parts: compile_helpers.helpers_bytes(cfg, torch.bfloat16, "none", other, parts)
+        for parts in (split, WARM_PARTS)
+    }
+    assert helpers[split] > helpers[WARM_PARTS]
+    free[0] = model + helpers[WARM_PARTS] - 1
     assert cold(other).helpers is None
-    free[0] = model + helpers
-    assert cold(other).helpers == "helpers" and len(started) == 3
+    free[0] = model + helpers[split] - 1
+    assert cold(other).helpers == "helpers" and started[-1] == WARM_PARTS
+    free[0] = model + helpers[split]
+    assert cold(other).helpers == "helpers" and started[-1] == split and len(started) == 4
     # helpers are an optimization: a failure deciding or starting them leaves the start without them
     monkeypatch.setattr(compile_helpers, "platform_key", lambda device: 1 / 0)
-    assert cold(replace(other, max_vit_tiles=2)).helpers is None and len(started) == 3
+    assert cold(replace(other, max_vit_tiles=2)).helpers is None and len(started) == 4
 
 
 @pytest.mark.parametrize("preset", ["tiny-qwen2", "tiny-6b-style"])

@@ -3,8 +3,9 @@
 With nothing under engine.cache_dir for this model, library, torch and GPU, the warm-up compiles its graphs one after
 another, after the weights are in: most of a cold start-up (bench/RESULTS.md). Each graph is one layer's, with the
 layer's weights as inputs (`graph_key`), so a stand-in of the model's widths with 2 layers of each kind compiles the
-same graphs. `ColdStart` runs one process per warm-up part (`WARM_PARTS`), each with its own stand-in, while the
-job's process loads the weights; each saves its graphs (`Precompiled`), and the job's warm-up then loads them.
+same graphs. `ColdStart` runs one process per warm-up part (`WARM_PARTS`; where they fit, the prefill's two functions
+in two: `SPLIT_PARTS`), each with its own stand-in, while the job's process loads the weights; each saves its graphs
+(`Precompiled`), and the job's warm-up then loads them.
 Helpers are an optimization only: one that fails costs time, and the warm-up compiles whatever it finds missing.
 After a warm-up, a marker file says this model's graphs are saved, and later starts run no helper.
 
@@ -39,37 +40,45 @@ STAND_IN_LAYERS = 2
 HELPER_TIMEOUT_S = 600.0  # a helper still compiling then is killed: the warm-up compiles what it left
 HELPER_CONTEXT_BYTES = 1 << 30  # a helper's CUDA context and allocator slack
 WARM_PREFILL_TOKENS = 2048  # at least the warm-up's largest dummy admission
+# the prefill part's functions, each in a helper of its own where they fit: the prefill part compiled 2-3 graphs one
+# after another, the longest of the parts (bench/RESULTS.md, session 28); part -> (warm-up part, the function kept)
+SPLIT = {"prefill_layers": ("prefill", "compiled_layer"), "prefill_last": ("prefill", "compiled_last")}
+SPLIT_PARTS = ("vit", *SPLIT, "decode_graphs")
 
 
 def helpers_bytes(
-    cfg: InternVLConfig, dtype: torch.dtype, quantization: str, settings: EngineSpec, n: int
+    cfg: InternVLConfig, dtype: torch.dtype, quantization: str, settings: EngineSpec, parts: tuple[str, ...]
 ) -> int:
-    """What n helpers hold at most on the GPU: each its stand-in's weights and its CUDA context; one a ViT call at
-    max_vit_tiles, one a warm-up prefill."""
+    """What helpers for `parts` hold at most on the GPU: each its stand-in's weights and its CUDA context; the ViT's
+    a ViT call at max_vit_tiles, each prefill one a warm-up prefill."""
     from batchvl.model.memory import activation_bytes, memory_plan
 
     stand_in = with_layers(cfg, STAND_IN_LAYERS)
     weights = memory_plan(stand_in, dtype, quantization, WARM_PREFILL_TOKENS, settings.max_vit_tiles).weights
     vit = activation_bytes(stand_in, dtype, 0, settings.max_vit_tiles, quantization)
     prefill = activation_bytes(stand_in, dtype, WARM_PREFILL_TOKENS, 0, quantization)
-    return n * (weights + HELPER_CONTEXT_BYTES) + vit + prefill
+    prefills = sum(SPLIT.get(p, (p,))[0] == "prefill" for p in parts)
+    return len(parts) * (weights + HELPER_CONTEXT_BYTES) + ("vit" in parts) * vit + prefills * prefill
 
 
-def _fit_beside_the_model(cfg: InternVLConfig, dtype: torch.dtype, quantization: str, settings: EngineSpec,
-                          device: torch.device, n: int) -> bool:  # fmt: skip
-    """Whether n helpers fit on the GPU beside the model's weights and its smallest working set (`check_fits`'s)."""
+def _parts_that_fit(cfg: InternVLConfig, dtype: torch.dtype, quantization: str, settings: EngineSpec,
+                    device: torch.device) -> tuple[str, ...] | None:  # fmt: skip
+    """The helpers' parts that fit on the GPU beside the model's weights and its smallest working set
+    (`check_fits`'s): `SPLIT_PARTS`, else `WARM_PARTS`, else None."""
+    from batchvl.engine import WARM_PARTS
     from batchvl.model.memory import MIN_PREFILL_TOKENS, memory_plan
 
     budget = settings.max_prefill_tokens or MIN_PREFILL_TOKENS
     full = memory_plan(cfg, dtype, quantization, budget, settings.max_vit_tiles)
     need = full.weights + full.activations + budget * full.kv_per_token
-    helpers = helpers_bytes(cfg, dtype, quantization, settings, n)
     free = torch.cuda.mem_get_info(device)[0]
-    if need + helpers > free:
-        log.info("compiling after the load: %.1f GiB free, the model needs %.1f and compile helpers %.1f",
-                 free / 2**30, need / 2**30, helpers / 2**30)  # fmt: skip
-        return False
-    return True
+    for parts in (SPLIT_PARTS, WARM_PARTS):
+        helpers = helpers_bytes(cfg, dtype, quantization, settings, parts)
+        if need + helpers <= free:
+            return parts
+    log.info("compiling after the load: %.1f GiB free, the model needs %.1f and compile helpers %.1f",
+             free / 2**30, need / 2**30, helpers / 2**30)  # fmt: skip
+    return None
 
 
 def _spec(cfg: InternVLConfig, quantization: str, settings: EngineSpec, device: torch.device, dtype: torch.dtype,
@@ -153,8 +162,6 @@ class ColdStart:
 
     def __init__(self, cfg: InternVLConfig, quantization: str, settings: EngineSpec, device: torch.device,
                  dtype: torch.dtype, max_seq_len: int, tp: int = 1) -> None:  # fmt: skip
-        from batchvl.engine import WARM_PARTS
-
         self.waited_s = 0.0  # seconds the start waited for helpers after its weights were in
         self.marker, self.helpers = None, None
         if device.type != "cuda" or settings.eager:
@@ -164,8 +171,9 @@ class ColdStart:
             self.marker = marker(spec)
             if tp > 1 or self.marker.exists():
                 return
-            if _fit_beside_the_model(cfg, dtype, quantization, settings, device, len(WARM_PARTS)):
-                self.helpers = Helpers(spec, WARM_PARTS)
+            parts = _parts_that_fit(cfg, dtype, quantization, settings, device)
+            if parts is not None:
+                self.helpers = Helpers(spec, parts)
         except Exception as e:  # noqa: BLE001
             log.warning("compile helpers not started (%s: %s); the warm-up compiles", type(e).__name__, e)
 
@@ -192,7 +200,7 @@ class ColdStart:
 
 def compile_part(spec: dict, part: str) -> Any:
     """Build a stand-in of the spec's model (`STAND_IN_LAYERS` layers, random weights) and run the warm-up's `part`
-    through it, which compiles and saves that part's graphs. Returns the engine (for tests)."""
+    (or a `SPLIT` part's) through it, which compiles and saves that part's graphs. Returns the engine (for tests)."""
     from batchvl.engine import Engine
     from batchvl.llm.kv_cache import blocks_for
     from batchvl.model.build import prepare_llm, use_compile_cache, vision_encoder
@@ -209,11 +217,15 @@ def compile_part(spec: dict, part: str) -> Any:
         torch.cuda.empty_cache()
     # each part compiles its own graphs only: the others run eager here
     prepare_llm(model.llm, part != "vit", settings.cache_dir)
+    warm, kept = SPLIT.get(part, (part, None))
+    for name in ("compiled_layer", "compiled_last") if kept else ():
+        if name != kept:  # eager here: the other split part's helper compiles it
+            setattr(model.llm, name, None)
     encode = vision_encoder(model, settings) if part == "vit" else model.vision
     width = blocks_for(spec["max_seq_len"])
     engine = Engine(model, cfg, settings, device, dtype, encode_fn=encode, max_seq_len=spec["max_seq_len"],
                     pool_blocks=2 * width + 64)  # fmt: skip
-    engine.warm_part(part)
+    engine.warm_part(warm)
     return engine
 
 
