@@ -33,7 +33,7 @@ from batchvl.config import from_preset  # noqa: E402
 from batchvl.data import iter_rows  # noqa: E402
 from batchvl.encoder.fp8 import fp8_vit  # noqa: E402
 from batchvl.encoder.internvit_compiled import CompiledEncoder  # noqa: E402
-from batchvl.engine import WARM_PARTS, Engine, Request, Sampling, packed_meta  # noqa: E402
+from batchvl.engine import Engine, Request, Sampling, packed_meta  # noqa: E402
 from batchvl.job import EngineSpec, load_job  # noqa: E402
 from batchvl.llm.decode_step import decode_forward  # noqa: E402
 from batchvl.llm.decoder import LLM_LINEARS, fp8_llm  # noqa: E402
