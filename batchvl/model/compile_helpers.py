@@ -235,13 +235,15 @@ def main() -> None:
     t0 = time.perf_counter()
     die_with_parent(int(sys.argv[2]))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s compile helper %(name)s: %(message)s")
-    try:  # Inductor's compile workers start now, while the stand-in is drawn, not at the first graph's kernels
+    spec = json.loads(sys.stdin.read())
+    try:  # Inductor's compile workers (Triton kernels: CUDA only) start now, while the stand-in is drawn
         from torch._inductor.async_compile import maybe_warm_pool
 
-        maybe_warm_pool()
+        if spec["device"].startswith("cuda"):
+            maybe_warm_pool()
     except Exception as e:  # noqa: BLE001 - a private API: without it the workers start at the first compile
         log.info("compile workers not started early (%s: %s)", type(e).__name__, e)
-    engine = compile_part(json.loads(sys.stdin.read()), sys.argv[1])
+    engine = compile_part(spec, sys.argv[1])
     peak = torch.cuda.max_memory_reserved(engine.device) / 2**30 if engine.device.type == "cuda" else 0.0
     log.info(
         "part done in %.1f s (after its imports), %.1f GiB reserved at most", time.perf_counter() - t0, peak
