@@ -40,8 +40,8 @@ STAND_IN_LAYERS = 2
 HELPER_TIMEOUT_S = 600.0  # a helper still compiling then is killed: the warm-up compiles what it left
 HELPER_CONTEXT_BYTES = 1 << 30  # a helper's CUDA context and allocator slack
 WARM_PREFILL_TOKENS = 2048  # at least the warm-up's largest dummy admission
-# the prefill part's functions, each in a helper of its own where they fit: the prefill part compiled 2-3 graphs one
-# after another, the longest of the parts (bench/RESULTS.md, session 28); part -> (warm-up part, the function kept)
+# the prefill part's functions, each in a helper of its own where they fit: one helper compiles the prefill's 2-3 graphs
+# one after another, the longest part (bench/RESULTS.md); part -> (warm-up part, the function kept)
 SPLIT = {"prefill_layers": ("prefill", "compiled_layer"), "prefill_last": ("prefill", "compiled_last")}
 SPLIT_PARTS = ("vit", *SPLIT, "decode_graphs")
 
