@@ -579,7 +579,7 @@ class Engine:
         t = time.perf_counter()
         if part == "vit" and hasattr(self.encode_fn, "warmup"):  # a CompiledEncoder
             self.encode_fn.warmup()
-        elif part == "prefill" and {self.model.llm.compiled_layer, self.model.llm.compiled_last} != {None}:
+        elif part == "prefill" and (self.model.llm.compiled_layer or self.model.llm.compiled_last):
             self._warm_prefill()
         elif part == "decode_graphs" and self.decode_step.graphs:
             # the largest bucket only: its memory pool then serves the smaller ones, captured when a job first needs

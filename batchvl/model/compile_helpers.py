@@ -41,8 +41,8 @@ HELPER_TIMEOUT_S = 600.0  # a helper still compiling then is killed: the warm-up
 HELPER_CONTEXT_BYTES = 1 << 30  # a helper's CUDA context and allocator slack
 WARM_PREFILL_TOKENS = 2048  # at least the warm-up's largest dummy admission
 # the prefill part's functions, each in a helper of its own where they fit: one helper compiles the prefill's 2-3 graphs
-# one after another, the longest part (bench/RESULTS.md); part -> (warm-up part, the function kept)
-SPLIT = {"prefill_layers": ("prefill", "compiled_layer"), "prefill_last": ("prefill", "compiled_last")}
+# one after another, the longest part (bench/RESULTS.md); part -> (warm-up part, the function left eager)
+SPLIT = {"prefill_layers": ("prefill", "compiled_last"), "prefill_last": ("prefill", "compiled_layer")}
 SPLIT_PARTS = ("vit", *SPLIT, "decode_graphs")
 
 
@@ -217,10 +217,9 @@ def compile_part(spec: dict, part: str) -> Any:
         torch.cuda.empty_cache()
     # each part compiles its own graphs only: the others run eager here
     prepare_llm(model.llm, part != "vit", settings.cache_dir)
-    warm, kept = SPLIT.get(part, (part, None))
-    for name in ("compiled_layer", "compiled_last") if kept else ():
-        if name != kept:  # eager here: the other split part's helper compiles it
-            setattr(model.llm, name, None)
+    warm, eager = SPLIT.get(part, (part, None))
+    if eager:  # the other split part's helper compiles it
+        setattr(model.llm, eager, None)
     encode = vision_encoder(model, settings) if part == "vit" else model.vision
     width = blocks_for(spec["max_seq_len"])
     engine = Engine(model, cfg, settings, device, dtype, encode_fn=encode, max_seq_len=spec["max_seq_len"],
