@@ -49,16 +49,23 @@ SPLIT_PARTS = ("vit", *SPLIT, "decode_graphs")
 def helpers_bytes(
     cfg: InternVLConfig, dtype: torch.dtype, quantization: str, settings: EngineSpec, parts: tuple[str, ...]
 ) -> int:
-    """What helpers for `parts` hold at most on the GPU: each its stand-in's weights and its CUDA context; the ViT's
-    a ViT call at max_vit_tiles, each prefill one a warm-up prefill."""
+    """What helpers for `parts` hold at most on the GPU, together: each its stand-in's weights and its CUDA context,
+    and the more of two passing peaks: the draw's fp32 copy of its largest tensor, or its part's activations (the
+    ViT's: a ViT call at max_vit_tiles; a prefill part's: a warm-up prefill). Helpers draw and compile unsynchronized,
+    so their peaks add up."""
+    from batchvl.model.loader import build_empty
     from batchvl.model.memory import activation_bytes, memory_plan
 
     stand_in = with_layers(cfg, STAND_IN_LAYERS)
     weights = memory_plan(stand_in, dtype, quantization, WARM_PREFILL_TOKENS, settings.max_vit_tiles).weights
-    vit = activation_bytes(stand_in, dtype, 0, settings.max_vit_tiles, quantization)
-    prefill = activation_bytes(stand_in, dtype, WARM_PREFILL_TOKENS, 0, quantization)
-    prefills = sum(SPLIT.get(p, (p,))[0] == "prefill" for p in parts)
-    return len(parts) * (weights + HELPER_CONTEXT_BYTES) + ("vit" in parts) * vit + prefills * prefill
+    # `init_random` draws each tensor in fp32, one at a time
+    draw = 4 * max(p.numel() for p in build_empty(stand_in).parameters())
+    work = {
+        "vit": activation_bytes(stand_in, dtype, 0, settings.max_vit_tiles, quantization),
+        "prefill": activation_bytes(stand_in, dtype, WARM_PREFILL_TOKENS, 0, quantization),
+    }
+    peaks = (max(draw, work.get(SPLIT.get(p, (p,))[0], 0)) for p in parts)
+    return sum(weights + HELPER_CONTEXT_BYTES + peak for peak in peaks)
 
 
 def _parts_that_fit(cfg: InternVLConfig, dtype: torch.dtype, quantization: str, settings: EngineSpec,
@@ -213,7 +220,7 @@ def compile_part(spec: dict, part: str) -> Any:
     use_compile_cache(settings.cache_dir)
     cfg = with_layers(config_from_dict(spec["config"]), STAND_IN_LAYERS)
     model, _ = random_model(cfg, device, dtype, quantization=spec["quantization"])
-    if device.type == "cuda":  # the draw's fp32 copies go back: `helpers_bytes` counts weights, not them
+    if device.type == "cuda":  # the draw's fp32 copy goes back before the part's activations come
         torch.cuda.empty_cache()
     # each part compiles its own graphs only: the others run eager here
     prepare_llm(model.llm, part != "vit", settings.cache_dir)
@@ -242,11 +249,19 @@ def main() -> None:
             maybe_warm_pool()
     except Exception as e:  # noqa: BLE001 - a private API: without it the workers start at the first compile
         log.info("compile workers not started early (%s: %s)", type(e).__name__, e)
-    engine = compile_part(spec, sys.argv[1])
-    peak = torch.cuda.max_memory_reserved(engine.device) / 2**30 if engine.device.type == "cuda" else 0.0
-    log.info(
-        "part done in %.1f s (after its imports), %.1f GiB reserved at most", time.perf_counter() - t0, peak
-    )
+    part = sys.argv[1]
+    engine = compile_part(spec, part)
+    if engine.device.type != "cuda":
+        log.info("part done in %.1f s (after its imports)", time.perf_counter() - t0)
+        return
+    peak = torch.cuda.max_memory_reserved(engine.device)
+    e = engine  # its config is the stand-in's already
+    plan = helpers_bytes(e.cfg, e.dtype, spec["quantization"], e.settings, (part,)) - HELPER_CONTEXT_BYTES
+    # the fit check trusts the plan: a helper that held more could crowd the job's own load
+    (log.info if peak <= plan else log.warning)(
+        "part done in %.1f s (after its imports), %.1f GiB reserved at most, of %.1f planned",
+        time.perf_counter() - t0, peak / 2**30, plan / 2**30,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

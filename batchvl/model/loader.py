@@ -214,7 +214,7 @@ def _store(model: InternVL, name: str, p: torch.Tensor, t: torch.Tensor) -> None
     if p.dtype == FP8:
         model.get_submodule(name.rpartition(".")[0]).quantize_from(t)
     else:
-        p.copy_(t.to(device=p.device, dtype=p.dtype))
+        p.copy_(t)  # casts on the way: no second copy of t in p's dtype
 
 
 def _row_scales(s: torch.Tensor, rows: int, key: str) -> torch.Tensor:
