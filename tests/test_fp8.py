@@ -32,6 +32,19 @@ def test_quantize_rows_scales_each_row_to_the_e4m3_range() -> None:
     assert (err <= x.abs() * 2**-4 + s * 2**-6).all()
 
 
+def test_fp8_linear_quantizes_a_weight_in_row_blocks_as_in_one() -> None:
+    """`quantize_from` in blocks of rows (bounded temporaries) == `quantize_rows` of the whole weight, bit for bit."""
+    torch.manual_seed(2)
+    w = torch.randn(48, 32) * torch.logspace(-2, 2, 48)[:, None]
+    q, s = quantize_rows(w)
+    f8 = Fp8Linear(32, 48)
+    f8.quantize_from(w, rows=20)  # blocks of 20, 20 and 8 rows
+    assert torch.equal(f8.weight.view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(f8.weight_scale, s.reshape(1, -1))
+    with pytest.raises(ValueError, match="for an Fp8Linear"):
+        f8.quantize_from(w.t())
+
+
 def test_fp8_linear_equals_its_dequantized_product() -> None:
     """_scaled_mm with row-wise scales == (dequantized x) @ (dequantized w)^T in fp32, rounded to bf16, + bias."""
     torch.manual_seed(1)

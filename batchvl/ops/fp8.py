@@ -104,10 +104,18 @@ class Fp8Linear(nn.Module):
         return out
 
     @torch.no_grad()
-    def quantize_from(self, w: Tensor) -> None:
-        """Set the weight from a full-precision [N, K] (quantized on this module's device)."""
-        q, s = quantize_rows(w.to(self.weight.device))
-        self.load_quantized(q, s)
+    def quantize_from(self, w: Tensor, rows: int = 4096) -> None:
+        """Set the weight from a full-precision [N, K] (quantized on this module's device), `rows` rows at a time:
+        quantizing takes two fp32 temporaries of its input, and a whole 72B gate_up's would be 2.7 GiB."""
+        if w.shape != self.weight.shape:
+            raise ValueError(
+                f"weight {tuple(w.shape)} for an Fp8Linear {self.in_features} -> {self.out_features}"
+            )
+        scale = self.weight_scale.view(-1)
+        for i in range(0, w.shape[0], rows):
+            q, s = quantize_rows(w[i : i + rows].to(self.weight.device))
+            self.weight[i : i + rows].copy_(q)
+            scale[i : i + rows].copy_(s.view(-1))
 
     @torch.no_grad()
     def load_quantized(self, q: Tensor, scale: Tensor) -> None:
