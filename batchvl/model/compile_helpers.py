@@ -255,8 +255,8 @@ def main() -> None:
         log.info("part done in %.1f s (after its imports)", time.perf_counter() - t0)
         return
     peak = torch.cuda.max_memory_reserved(engine.device)
-    e = engine  # its config is the stand-in's already
-    plan = helpers_bytes(e.cfg, e.dtype, spec["quantization"], e.settings, (part,)) - HELPER_CONTEXT_BYTES
+    plan = helpers_bytes(engine.cfg, engine.dtype, spec["quantization"], engine.settings, (part,))
+    plan -= HELPER_CONTEXT_BYTES  # what torch reserves: the context is not in it
     # the fit check trusts the plan: a helper that held more could crowd the job's own load
     (log.info if peak <= plan else log.warning)(
         "part done in %.1f s (after its imports), %.1f GiB reserved at most, of %.1f planned",

@@ -386,12 +386,12 @@ def init_random(
     0.1 + N(0, std) for layer scales (an FP8 weight: quantized from its fp32 draw). Never zeros, never uninitialised memory. Each tensor has its own seed
     (from its name), so a tensor-parallel rank that draws the full tensor and keeps its shard gets the same
     values as one process."""
-    params = list(enumerate(model.named_parameters()))
+    shapes = full_shapes or {name: p.shape for name, p in model.named_parameters()}
     # the largest first: each later fp32 copy then fits in the first's cached block, which on CUDA would otherwise
     # stay reserved beside a new one for every larger tensor (the seed is the tensor's index, not its turn)
-    params.sort(key=lambda ip: -(full_shapes[ip[1][0]] if full_shapes else ip[1][1].shape).numel())
+    params = sorted(enumerate(model.named_parameters()), key=lambda ip: -shapes[ip[1][0]].numel())
     for i, (name, p) in params:
-        shape = full_shapes[name] if full_shapes else p.shape
+        shape = shapes[name]
         g = torch.Generator(device=p.device).manual_seed(seed * 1_000_003 + i)
         # scaled in place: one fp32 copy at a time, not two (a stand-in's embedding table: 2.9 GiB each)
         t = torch.randn(shape, generator=g, device=p.device, dtype=torch.float32).mul_(std)

@@ -106,7 +106,7 @@ class Fp8Linear(nn.Module):
     @torch.no_grad()
     def quantize_from(self, w: Tensor, rows: int = 4096) -> None:
         """Set the weight from a full-precision [N, K] (quantized on this module's device), `rows` rows at a time:
-        quantizing takes two fp32 temporaries of its input, and a whole 72B gate_up's would be 2.7 GiB."""
+        quantizing takes two fp32 temporaries of its input, and a whole 72B gate_up's would be 3.6 GiB."""
         if w.shape != self.weight.shape:
             raise ValueError(
                 f"weight {tuple(w.shape)} for an Fp8Linear {self.in_features} -> {self.out_features}"
