@@ -402,6 +402,7 @@ def init_random(
         if shard is not None:
             t = shard(name, t)
         _store(model, name, p, t)
+        del t  # else the loop's name keeps this copy alive while the next is drawn: two of the largest at once
 
 
 def random_model(
