@@ -402,7 +402,7 @@ def init_random(
         if shard is not None:
             t = shard(name, t)
         _store(model, name, p, t)
-        del t  # else the loop's name keeps this copy alive while the next is drawn: two of the largest at once
+        del t  # else the loop variable keeps this draw alive while the next is drawn
 
 
 def random_model(
