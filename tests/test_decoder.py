@@ -365,6 +365,36 @@ def test_random_init_holds_one_draw_at_a_time(monkeypatch):
         assert len(drawn) > 10
 
 
+def test_materialize_allocates_a_tied_table_once():
+    """A tied embedding is one allocation: to_empty gave lm_head a second table, which CUDA then kept reserved
+    (0.6 GiB over a 4B stand-in's plan)."""
+    import dataclasses
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import batchvl.model.loader as loader
+    from batchvl.config import from_preset
+
+    class Allocated(TorchDispatchMode):
+        nbytes = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.__name__.startswith("empty"):
+                self.nbytes += out.numel() * out.element_size()
+            return out
+
+    cfg = from_preset("tiny-qwen2")
+    for tied in (False, True):
+        llm = dataclasses.replace(cfg.llm, tie_word_embeddings=tied)
+        model = loader.build_empty(dataclasses.replace(cfg, llm=llm))
+        with Allocated() as allocated:
+            loader._materialize(model, torch.device("cpu"), torch.float32)
+        held = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+        assert allocated.nbytes == held
+        assert (model.llm.lm_head.weight is model.llm.embed_tokens.weight) == tied
+
+
 def test_padded_vocab_logits_equal_plain():
     """pad_vocab (aligned logits rows on CUDA): same logits and the same parameter objects' values, tied or not."""
     for tied in (False, True):

@@ -201,9 +201,12 @@ def _materialize(
     model.to(dtype)  # still on meta: allocate in the target dtype, not float32 first
     if quantization == "fp8":
         fp8_llm(model.llm)  # still on meta: e4m3 weights and fp32 scales, filled as each tensor is read
+    tied = model.cfg.llm.tie_word_embeddings
+    if tied:  # to_empty would allocate the shared table twice, and the spare stays reserved on CUDA
+        model.llm.lm_head.weight = None
     model.to_empty(device=device)
     model.llm.rotary.reset(device)
-    if model.cfg.llm.tie_word_embeddings:
+    if tied:
         model.llm.lm_head.weight = model.llm.embed_tokens.weight
 
 
