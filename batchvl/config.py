@@ -196,7 +196,10 @@ def llm_from_dict(d: dict) -> LLMConfig:
         ),
         rope_scaling=_rope_scaling(d),
         rms_norm_eps=float(_pick(d, "rms_norm_eps", default=1e-6)),
-        qkv_bias=(arch == "qwen2") if "bias" not in d else bool(d["bias"]),
+        # InternLM2: `bias`; transformers' Llama (an InternLM2 LLM converted): `attention_bias`; Qwen2: always
+        qkv_bias=bool(
+            _pick(d, "bias", "attention_bias", default=arch == "qwen2" and "llama" not in archs.lower())
+        ),
         tie_word_embeddings=bool(_pick(d, "tie_word_embeddings", default=False)),
         max_position_embeddings=int(_pick(d, "max_position_embeddings", default=32768)),
         head_dim=int(_pick(d, "head_dim", default=0)),

@@ -160,3 +160,21 @@ def test_model_prefixed_transformers_layout(hf_model_dir, tmp_path):
     a, _ = load_model(d)
     for (k, x), y in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
         torch.testing.assert_close(x, y, atol=0, rtol=0, msg=k)
+
+
+def test_llama_text_config_without_qkv_bias_matches_transformers(tmp_path):
+    """transformers' InternVL with a Llama LLM (how an InternLM2 one is converted): no qkv bias, same logits."""
+    from conftest import randomize_, tiny_hf_config
+    from transformers import InternVLForConditionalGeneration
+
+    torch.manual_seed(0)
+    hf = InternVLForConditionalGeneration(tiny_hf_config("300m", text="llama")).eval()
+    randomize_(hf)
+    hf.save_pretrained(tmp_path)
+    model, cfg = load_model(tmp_path)
+    assert not cfg.llm.qkv_bias
+    ids, pv = _inputs(n_tiles=1)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            _our_logits(model, ids, pv), hf(input_ids=ids[None], pixel_values=pv).logits[0], **TOL
+        )
