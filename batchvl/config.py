@@ -215,6 +215,10 @@ def _rope_scaling(d: dict) -> dict | None:
     kind = rs.get("rope_type", rs.get("type", "default"))
     if kind in (None, "default"):
         return None
+    if kind not in ("linear", "dynamic"):  # e.g. yarn, llama3, longrope change RoPE at every position
+        raise ValueError(
+            f"rope_scaling type {kind!r} is not supported (batchvl implements linear and dynamic)"
+        )
     return {"type": kind, "factor": float(rs.get("factor", 1.0))}
 
 

@@ -178,3 +178,16 @@ def test_llama_text_config_without_qkv_bias_matches_transformers(tmp_path):
         torch.testing.assert_close(
             _our_logits(model, ids, pv), hf(input_ids=ids[None], pixel_values=pv).logits[0], **TOL
         )
+
+
+def test_unsupported_rope_scaling_is_refused(hf_model_dir):
+    """A rope type batchvl does not implement (yarn changes RoPE at every position) fails clearly, not silently."""
+    from batchvl.config import from_dict
+
+    cfg = json.loads((hf_model_dir[0] / "config.json").read_text())
+    cfg["text_config"]["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
+                                             "original_max_position_embeddings": 32768}  # fmt: skip
+    with pytest.raises(ValueError, match="'yarn'"):
+        from_dict(cfg)
+    cfg["text_config"]["rope_parameters"] = {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}
+    assert from_dict(cfg).llm.rope_scaling == {"type": "linear", "factor": 2.0}
