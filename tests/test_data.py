@@ -307,3 +307,15 @@ def test_an_empty_jsonl_file_has_no_rows(tmp_path):
     spec = _jsonl(tmp_path, [])
     check_source(spec)  # not a traceback
     assert rows(spec) == [] and count_rows(spec) == 0
+
+
+def test_a_sharegpt_row_whose_conversation_is_not_a_list_of_turns_is_an_error_row(tmp_path):
+    """A malformed conversation (a string, a list of non-objects, one object) fails that row, not the whole job."""
+    good = {"id": "ok", "conversations": [{"from": "human", "value": "hi"}]}
+    bad = [{"id": "s", "conversations": "hello"}, {"id": "i", "conversations": [1, 2]},
+           {"id": "d", "conversations": {"from": "human", "value": "hi"}}]  # fmt: skip
+    path = tmp_path / "sg.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in [good, *bad]))
+    got = {r.id: r.error for r in rows(DataSpec(format="sharegpt", path=str(path), allow_text_only=True))}
+    assert got["ok"] is None
+    assert all("not a list of turns" in got[i] for i in ("s", "i", "d")), got
