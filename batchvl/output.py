@@ -537,11 +537,10 @@ def summarize(table: pa.Table, duration_s: float | None = None) -> dict:
     prefix = _col(ok, "cached_prefix_tokens")
     if prefix.null_count < len(prefix):
         s["cached_prefix_tokens"] = _sum(prefix)
-    waits = table.select(["rank", "batch_id", "input_wait_ms"]).filter(
-        pc.is_valid(_col(table, "input_wait_ms"))
-    )
-    if waits.num_rows:  # one value per (rank, batch)
-        per_batch = {(r["rank"], r["batch_id"]): r["input_wait_ms"] for r in waits.to_pylist()}
+    valid = pc.is_valid(_col(table, "input_wait_ms"))
+    waits = pa.table({c: _col(table, c) for c in ("run", "rank", "batch_id", "input_wait_ms")}).filter(valid)
+    if waits.num_rows:  # one value per (run, rank, batch): each run numbers its batches from 0
+        per_batch = {(r["run"], r["rank"], r["batch_id"]): r["input_wait_ms"] for r in waits.to_pylist()}
         s["gpu_input_wait_s"] = sum(per_batch.values()) / 1e3
     return s
 

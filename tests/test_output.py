@@ -397,3 +397,12 @@ def test_summarize_gpu_input_wait_counts_each_batch_once():
     s = summarize(pa.Table.from_pylist(rows, schema=ROW_SCHEMA))
     assert s["gpu_input_wait_s"] == pytest.approx(0.013)
     assert "Idle waiting for input" in format_summary(s)
+
+
+def test_summarize_gpu_input_wait_keeps_batches_of_different_runs_apart():
+    rows = [  # a resumed dir: each run numbers its batches from 0
+        {"id": "a", "rank": 0, "run": 0, "batch_id": 0, "input_wait_ms": 5.0, "t_done_s": 1.0},
+        {"id": "b", "rank": 0, "run": 1, "batch_id": 0, "input_wait_ms": 7.0, "t_done_s": 1.0},
+    ]
+    s = summarize(pa.Table.from_pylist(rows, schema=ROW_SCHEMA))
+    assert s["gpu_input_wait_s"] == pytest.approx(0.012)
