@@ -350,7 +350,8 @@ def _validate(job: Job) -> None:
     if Path(e.cache_dir).exists() and not Path(e.cache_dir).is_dir():
         raise JobError(f"job.engine.cache_dir: {e.cache_dir} exists and is not a directory")
     _at_least(g.max_new_tokens, 1, "job.generation.max_new_tokens")
-    _at_least(g.temperature, 0, "job.generation.temperature")
+    if not 0 <= g.temperature < float("inf"):
+        raise JobError(f"job.generation.temperature: must be a number >= 0, got {g.temperature!r}")
     if not 0 < g.top_p <= 1:
         raise JobError(f"job.generation.top_p: must be in (0, 1], got {g.top_p!r}")
     if o.dir is not None:  # (required by run_job; a Python Pipeline writes a run dir only when asked)

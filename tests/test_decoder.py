@@ -282,6 +282,8 @@ def test_sampling_greedy_seeded_and_top_p():
     assert torch.equal(a, sample(logits, 1.0, 0.9, seeds, steps))
     # top_p tiny keeps only the arg-max token
     assert torch.equal(sample(logits, 1.0, 1e-6, seeds, steps), logits.argmax(-1))
+    # a tiny temperature is greedy in the limit, not a NaN softmax
+    assert torch.equal(sample(logits, 1e-38, 1.0, seeds, steps), logits.argmax(-1))
 
 
 def test_sampling_draws_each_token_with_its_probability():

@@ -86,6 +86,8 @@ def test_unknown_top_level_section(tmp_path, files):
         ("preprocess.overlong", "cut", r"^job\.preprocess\.overlong: 'cut' is not one of error, truncate"),
         ("engine.max_vit_tiles", 0, r"^job\.engine\.max_vit_tiles: must be >= 1, got 0"),
         ("generation.top_p", 1.5, r"^job\.generation\.top_p: must be in \(0, 1\]"),
+        ("generation.temperature", float("nan"), r"^job\.generation\.temperature: must be a number >= 0, got nan"),
+        ("generation.temperature", float("inf"), r"^job\.generation\.temperature: must be a number >= 0, got inf"),
         ("model.preset", "internvl9", r"^job\.model\.preset: 'internvl9' is not one of"),
         ("preprocess.row_timeout_s", 0, r"^job\.preprocess\.row_timeout_s: must be a number of seconds > 0"),
         ("dist.timeout_s", -1, r"^job\.dist\.timeout_s: must be a number of seconds > 0, got -1"),

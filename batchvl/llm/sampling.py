@@ -46,7 +46,9 @@ def uniforms(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tens
 
 def probabilities(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
     """[B, V] float32: softmax(logits / temperature), cut to the top-p nucleus and renormalized."""
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    x = logits.float()
+    # shift by the max first: at a tiny temperature x / t overflows to inf and the softmax to NaN
+    probs = torch.softmax((x - x.amax(-1, keepdim=True)) / temperature, dim=-1)
     if top_p < 1.0:
         sorted_p, idx = probs.sort(dim=-1, descending=True)
         keep = sorted_p.cumsum(-1) - sorted_p < top_p  # always keeps the top token
