@@ -307,18 +307,16 @@ def _generation(raw: dict) -> dict:
 def _sharegpt(raw: dict, spec: DataSpec) -> dict:
     """ShareGPT: the first human turn of `conversations` (or OpenAI-style role/content `messages`)."""
     turns = raw.get("conversations") or raw.get("messages") or []
-    if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
-        rec = {"id": raw.get(spec.id_field), "prompt": None, "image": raw.get(spec.image_field)}
-        return rec | {
-            "error": "conversation is not a list of turns ({from, value} or {role, content} objects)"
-        }
+    well_formed = isinstance(turns, list) and all(isinstance(t, dict) for t in turns)
     prompt = next(
         (t.get("value", t.get("content")) for t in turns if (t.get("from") or t.get("role")) in HUMAN_ROLES),
         None,
-    )
+    ) if well_formed else None  # fmt: skip
     rec = {"id": raw.get(spec.id_field), "prompt": prompt, "image": raw.get(spec.image_field)}
     rec |= _generation(raw)
-    if prompt is None:
+    if not well_formed:
+        rec["error"] = "conversation is not a list of turns ({from, value} or {role, content} objects)"
+    elif prompt is None:
         rec["error"] = "no human turn in conversation"
     return rec
 
